@@ -1,0 +1,190 @@
+"""Corpus discovery: files -> deduplicated UTF-8 documents with a hash-based train/val split."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megacpp.data.config import DataConfig
+
+
+class CorpusError(ValueError):
+    """Bad corpus input: a missing path, a bad JSONL line, or nothing left after filtering."""
+
+
+def content_hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def is_val(doc_hash: str, val_fraction: float) -> bool:
+    """Hash-based split: a document's side depends on its bytes only, never on file order."""
+    return int(doc_hash[:16], 16) < val_fraction * 2**64
+
+
+def default_corpus_root() -> Path:
+    import torch  # imported here: discovery of user corpora does not need torch
+
+    return Path(torch.__file__).parent / "include"
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str  # "root/rel/path" or "root/file.jsonl:LINE"
+    text: str
+    hash: str
+    nbytes: int
+    split: str  # "train" | "val"
+
+
+@dataclass
+class Corpus:
+    docs: list[Document]
+    roots: list[Path]
+    files_seen: int
+    skipped: Counter  # reason -> count
+    hash: str  # identifies the kept documents, their order and split
+
+    def split(self, name: str) -> list[Document]:
+        return [d for d in self.docs if d.split == name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.docs)
+
+    def summary(self) -> str:
+        n_val = sum(d.split == "val" for d in self.docs)
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        return (
+            f"corpus {self.hash[:12]}: {self.files_seen} files, {len(self.docs)} docs "
+            f"(train {len(self.docs) - n_val} / val {n_val}), {self.nbytes / 1e6:.1f} MB; "
+            f"skipped {sum(self.skipped.values())}: {skipped}"
+        )
+
+
+@dataclass
+class _Filter:
+    """Size limits, UTF-8 check and dedup, shared by every input format."""
+
+    cfg: DataConfig
+    skipped: Counter = field(default_factory=Counter)
+    seen: set[str] = field(default_factory=set)
+    docs: list[Document] = field(default_factory=list)
+
+    def size_ok(self, nbytes: int) -> bool:
+        if nbytes < self.cfg.min_bytes:
+            self.skipped["too_small"] += 1
+        elif nbytes > self.cfg.max_bytes:
+            self.skipped["too_large"] += 1
+        else:
+            return True
+        return False
+
+    def add(self, source: str, data: bytes) -> None:
+        if not self.size_ok(len(data)):
+            return
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.skipped["undecodable"] += 1
+            return
+        h = content_hash(data)
+        if h in self.seen:
+            self.skipped["duplicate"] += 1
+            return
+        self.seen.add(h)
+        split = "val" if is_val(h, self.cfg.val_fraction) else "train"
+        self.docs.append(Document(source, text, h, len(data), split))
+
+
+def _list_files(root: Path, suffixes: set[str]) -> list[tuple[str, Path]]:
+    """(label, path) of matching files under root, sorted by relative path."""
+    if root.is_file():
+        return [(root.name, root)]
+    found = []
+    # os.walk does not follow directory symlinks, so a link cycle cannot loop forever.
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if os.path.splitext(name)[1].lower() in suffixes:
+                path = Path(dirpath, name)
+                found.append((path.relative_to(root).as_posix(), path))
+    found.sort(key=lambda item: item[0])
+    return [(f"{root.name}/{rel}", path) for rel, path in found]
+
+
+def _read_jsonl(label: str, raw: bytes, cfg: DataConfig, flt: _Filter) -> None:
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            text = record[cfg.jsonl_field]
+            if not isinstance(text, str):
+                raise TypeError(f"field {cfg.jsonl_field!r} is {type(text).__name__}, not a string")
+            data = text.encode("utf-8")  # UnicodeEncodeError (a ValueError) on lone surrogates
+        except (ValueError, KeyError, TypeError) as e:
+            why = f"missing field {cfg.jsonl_field!r}" if isinstance(e, KeyError) else str(e)
+            if cfg.jsonl_errors == "raise":
+                raise CorpusError(f"{label}:{lineno}: bad JSONL record: {why}") from e
+            flt.skipped["bad_jsonl_line"] += 1
+            continue
+        flt.add(f"{label}:{lineno}", data)
+
+
+def _corpus_hash(docs: list[Document]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for d in docs:
+        h.update(f"{d.hash}:{d.split}\n".encode())
+    return h.hexdigest()
+
+
+def _ensure_val(docs: list[Document], val_fraction: float) -> list[Document]:
+    """A tiny corpus may hash nothing into val; then move the lowest-hash doc there (order-independent)."""
+    if val_fraction == 0 or len(docs) < 2 or any(d.split == "val" for d in docs):
+        return docs
+    pick = min(docs, key=lambda d: d.hash)
+    return [Document(d.source, d.text, d.hash, d.nbytes, "val") if d is pick else d for d in docs]
+
+
+def discover_corpus(cfg: DataConfig) -> Corpus:
+    """Read, filter, dedup and split the corpus named by `cfg.corpus` (None = torch/include)."""
+    cfg.validate()
+    # Resolved, so "." still has a name to prefix document sources with.
+    roots = [Path(p).expanduser().resolve() for p in cfg.corpus] if cfg.corpus else [default_corpus_root()]
+    for root in roots:
+        if not root.exists():
+            raise CorpusError(f"corpus path does not exist: {root}")
+    source_ext = {e.lower() for e in cfg.extensions}
+    text_ext = {e.lower() for e in cfg.text_extensions}
+    jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
+    flt = _Filter(cfg)
+    files_seen = 0
+    for root in roots:
+        for label, path in _list_files(root, source_ext | text_ext | jsonl_ext):
+            files_seen += 1
+            is_jsonl = path.suffix.lower() in jsonl_ext
+            try:
+                # Stat first so a huge file is rejected without being read (JSONL limits are per record).
+                if not is_jsonl and not flt.size_ok(path.stat().st_size):
+                    continue
+                data = path.read_bytes()
+            except OSError:
+                flt.skipped["unreadable"] += 1
+                continue
+            if is_jsonl:
+                _read_jsonl(label, data, cfg, flt)
+            else:
+                flt.add(label, data)
+    docs = _ensure_val(flt.docs, cfg.val_fraction)
+    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs))
+    if files_seen == 0:
+        exts = sorted(source_ext | text_ext | jsonl_ext)
+        raise CorpusError(f"no corpus files with extensions {exts} under {[str(r) for r in roots]}")
+    if not any(d.split == "train" for d in docs):
+        raise CorpusError(
+            f"corpus is empty after filtering (no training documents): {corpus.summary()} "
+            f"[limits: {cfg.min_bytes}..{cfg.max_bytes} bytes, val_fraction {cfg.val_fraction}]"
+        )
+    return corpus

@@ -1,0 +1,199 @@
+"""Packed loaders over a shard split: fixed-length rows with BOS-delimited documents and doc ids.
+
+Packing. An epoch's token stream is the split's documents ([BOS, tokens...] each) concatenated in
+the epoch's order. Row k is stream[k*T : k*T + T + 1] (rows overlap by one token, so every token is
+an input once and a target once); inputs = row[:-1], targets = row[1:]. A document that does not
+fit continues at the start of the next row. Targets are never masked: the target of a document's
+last token is the next document's BOS, i.e. the model learns to predict end-of-document.
+
+Doc ids count documents within a row from 0 and step at each BOS in the inputs. Rows are
+independent sequences, so a document continued from the previous row simply starts the row as id 0.
+
+Sharding. Global batch g takes rows [g*W*B, (g+1)*W*B); rank r gets the B rows at offset r*B, so
+ranks are disjoint, cover the epoch together, and all have the same number of steps. The rows left
+over at an epoch's end (fewer than W*B) are dropped.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from megacpp.data.shards import ShardSet, ShardSplit
+
+STATE_VERSION = 1
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # (b, t) int64
+    targets: torch.Tensor  # (b, t) int64, inputs shifted left by one
+    doc_ids: torch.Tensor  # (b, t) int32, from 0 in each row
+
+
+class ValBatch(NamedTuple):
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor
+    target_bytes: torch.Tensor  # (b, t) int32: UTF-8 bytes of each target token (0 for BOS)
+
+
+def bits_per_byte(sum_nats: float, num_bytes: int) -> float:
+    """Summed NLL (nats) over targets with target_bytes > 0, per byte, in bits."""
+    return sum_nats / math.log(2) / num_bytes
+
+
+class _Stream:
+    """A split's documents concatenated in a given order, read lazily from the memmap."""
+
+    def __init__(self, split: ShardSplit, order: np.ndarray) -> None:
+        self.tokens = split.tokens
+        self.src_start = split.offsets[:-1][order]  # where each document lives in the memmap
+        self.pos = np.zeros(len(order) + 1, dtype=np.int64)  # where it lives in the stream
+        np.cumsum(np.diff(split.offsets)[order], out=self.pos[1:])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.pos, start, side="right")) - 1
+        last = int(np.searchsorted(self.pos, stop - 1, side="right")) - 1
+        # One contiguous memmap slice per document touched (a handful per batch), no per-token work.
+        pieces = []
+        for d in range(first, last + 1):
+            lo = max(start, int(self.pos[d])) - int(self.pos[d]) + int(self.src_start[d])
+            hi = min(stop, int(self.pos[d + 1])) - int(self.pos[d]) + int(self.src_start[d])
+            pieces.append(self.tokens[lo:hi])
+        return np.concatenate(pieces)
+
+    def rows(self, first_row: int, n_rows: int, seq_len: int) -> np.ndarray:
+        """(n_rows, seq_len + 1) int64 token rows, row k = stream[k*T : k*T + T + 1]."""
+        seg = self.read(first_row * seq_len, (first_row + n_rows) * seq_len + 1).astype(np.int64)
+        return sliding_window_view(seg, seq_len + 1)[::seq_len]
+
+
+class _Packer:
+    """Shared geometry and tensor conversion of the train and validation loaders."""
+
+    def __init__(
+        self, shards: ShardSet, split: str, batch_size: int, seq_len: int,
+        rank: int, world_size: int, device: str | torch.device, pin_memory: bool,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must be >= 1")
+        self.shards = shards
+        self.split = shards.splits[split]
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.rows_per_epoch = max(self.split.num_tokens - 1, 0) // seq_len
+        self.steps_per_epoch = self.rows_per_epoch // (world_size * batch_size)
+
+    def _rows(self, stream: _Stream, step: int) -> np.ndarray:
+        first = (step * self.world_size + self.rank) * self.batch_size
+        return stream.rows(first, self.batch_size, self.seq_len)
+
+    def _doc_ids(self, inputs: np.ndarray) -> np.ndarray:
+        ids = np.cumsum(inputs == self.shards.bos_id, axis=1, dtype=np.int32)
+        return ids - ids[:, :1]
+
+    def _tensors(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        out = []
+        for a in arrays:
+            t = torch.from_numpy(np.require(a, requirements=["C", "W"]))  # copies strided/read-only views
+            if self.pin_memory:
+                t = t.pin_memory()
+            out.append(t.to(self.device, non_blocking=self.pin_memory))
+        return out
+
+    def _too_small(self) -> ValueError:
+        return ValueError(
+            f"{self.split.name} split has {self.split.num_tokens} tokens: one batch needs "
+            f"world_size*batch_size*seq_len+1 = "
+            f"{self.world_size * self.batch_size * self.seq_len + 1}"
+        )
+
+
+class PackedLoader(_Packer):
+    """Infinite iterator of training batches, reshuffled every epoch, resumable via state_dict."""
+
+    def __init__(
+        self, shards: ShardSet, batch_size: int, seq_len: int, *, split: str = "train",
+        rank: int = 0, world_size: int = 1, seed: int = 0,
+        device: str | torch.device = "cpu", pin_memory: bool = False,
+    ) -> None:
+        super().__init__(shards, split, batch_size, seq_len, rank, world_size, device, pin_memory)
+        if self.steps_per_epoch == 0:
+            raise self._too_small()
+        self.seed = seed
+        self.epoch = 0
+        self.step = 0  # batches already taken in this epoch
+        self._stream: tuple[int, _Stream] | None = None
+
+    def _epoch_stream(self) -> _Stream:
+        if self._stream is None or self._stream[0] != self.epoch:
+            # One permutation per epoch from a generator seeded by (seed, epoch): randomness is
+            # consumed in a fixed order, and a resumed run rebuilds it from (seed, epoch) alone.
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.split.num_docs)
+            self._stream = (self.epoch, _Stream(self.split, order))
+        return self._stream[1]
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        rows = self._rows(self._epoch_stream(), self.step)
+        self.step += 1
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        return Batch(*self._tensors(inputs, targets, self._doc_ids(inputs)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "data_key": self.shards.key, "split": self.split.name,
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "world_size": self.world_size,
+            "seed": self.seed, "epoch": self.epoch, "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly; everything that shapes the token stream must match."""
+        mine = self.state_dict()
+        for k in ("version", "data_key", "split", "batch_size", "seq_len", "world_size", "seed"):
+            if state.get(k) != mine[k]:
+                raise ValueError(
+                    f"loader state mismatch: {k} is {state.get(k)!r}, this loader has {mine[k]!r}"
+                )
+        if not 0 <= state["step"] <= self.steps_per_epoch:
+            raise ValueError(f"loader state step {state['step']} outside [0, {self.steps_per_epoch}]")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+class ValLoader(_Packer):
+    """The validation split in manifest order, a fixed number of batches, the same every pass."""
+
+    def __init__(
+        self, shards: ShardSet, batch_size: int, seq_len: int, *, num_batches: int | None = None,
+        split: str = "val", rank: int = 0, world_size: int = 1,
+        device: str | torch.device = "cpu", pin_memory: bool = False,
+    ) -> None:
+        super().__init__(shards, split, batch_size, seq_len, rank, world_size, device, pin_memory)
+        if self.steps_per_epoch == 0:
+            raise self._too_small()
+        # None = the whole split; clamped to what the split holds, identically on every rank.
+        wanted = self.steps_per_epoch if num_batches is None else num_batches
+        self.num_batches = min(wanted, self.steps_per_epoch)
+        self._stream = _Stream(self.split, np.arange(self.split.num_docs))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[ValBatch]:
+        for step in range(self.num_batches):
+            rows = self._rows(self._stream, step)
+            inputs, targets = rows[:, :-1], rows[:, 1:]
+            target_bytes = self.shards.token_bytes[targets]
+            yield ValBatch(*self._tensors(inputs, targets, self._doc_ids(inputs), target_bytes))

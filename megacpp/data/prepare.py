@@ -1,0 +1,63 @@
+"""One call from config to ready data: discover the corpus, load or train the tokenizer, build shards."""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import Corpus, discover_corpus
+from megacpp.data.shards import ShardSet, build_shards, shard_dir_name
+from megacpp.data.tokenizer import SPLIT_PATTERN, CodeTokenizer, train_tokenizer
+
+
+@dataclass
+class PreparedData:
+    corpus: Corpus
+    tokenizer: CodeTokenizer
+    shards: ShardSet
+
+
+def tokenizer_cache_path(cfg: DataConfig, corpus: Corpus) -> Path:
+    """Cache slot for the tokenizer that `cfg` would train on `corpus`."""
+    recipe = f"{corpus.hash}|{cfg.vocab_size}|{cfg.tokenizer_sample_bytes}|{SPLIT_PATTERN}"
+    key = hashlib.blake2b(recipe.encode(), digest_size=8).hexdigest()
+    return cfg.resolved_cache_dir() / "tokenizers" / key / "tokenizer.json"
+
+
+def load_or_train_tokenizer(
+    cfg: DataConfig, corpus: Corpus, log: Callable[[str], None] | None = print
+) -> CodeTokenizer:
+    """`cfg.tokenizer_path` if set, else the cached tokenizer for this corpus/recipe, trained once."""
+    if cfg.tokenizer_path:
+        return CodeTokenizer.from_file(Path(cfg.tokenizer_path).expanduser())
+    path = tokenizer_cache_path(cfg, corpus)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / ".lock")):
+        if path.is_file():
+            return CodeTokenizer.from_file(path)
+        t0 = time.perf_counter()
+        tok = train_tokenizer(corpus, cfg.vocab_size, cfg.tokenizer_sample_bytes, path)
+    if log:
+        log(f"tokenizer {tok.hash[:12]}: trained vocab {tok.vocab_size} in "
+            f"{time.perf_counter() - t0:.1f}s -> {path}")
+    return tok
+
+
+def prepare_data(
+    cfg: DataConfig, progress: bool = True, log: Callable[[str], None] | None = print
+) -> PreparedData:
+    """Discover, tokenize and cache; safe to call from every rank at once (file locks)."""
+    corpus = discover_corpus(cfg)
+    if log:
+        log(corpus.summary())
+    tok = load_or_train_tokenizer(cfg, corpus, log)
+    out_dir = cfg.resolved_cache_dir() / "shards" / shard_dir_name(corpus.hash, tok.hash)
+    shards = build_shards(corpus, tok, out_dir, progress=progress)
+    if log:
+        log(shards.summary())
+    return PreparedData(corpus, tok, shards)

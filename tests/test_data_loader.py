@@ -1,0 +1,182 @@
+"""Packed loader: BOS/doc_ids, no document leakage, shifted targets, rank sharding, exact resume, val."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megacpp.data import DataConfig, PackedLoader, ValLoader, bits_per_byte, prepare_data
+
+B, T = 4, 32
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    for i in range(60):
+        # Every document has its own identifiers, so a token run identifies its source document.
+        lines = "".join(f"    int d{i}x{j} = d{i}y{j} + {j};\n" for j in range(1 + (i * 7) % 9))
+        (root / f"doc{i:02d}.cc").write_text(f"int doc{i}() {{\n{lines}    return 0;\n}}\n")
+    cfg = DataConfig(
+        corpus=[str(root)], val_fraction=0.25, vocab_size=512,
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
+    )
+    return prepare_data(cfg, progress=False, log=None)
+
+
+def segments(inputs: torch.Tensor, doc_ids: torch.Tensor):
+    """(row, first_position, tokens) for each run of equal doc id within each row."""
+    for r in range(inputs.shape[0]):
+        ids = doc_ids[r].numpy()
+        cuts = [0, *(np.flatnonzero(np.diff(ids)) + 1).tolist(), len(ids)]
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            yield r, a, inputs[r, a:b].numpy()
+
+
+def locate(split, seg: np.ndarray) -> list[tuple[int, int]]:
+    """Every (document, start) where seg occurs contiguously inside one manifest document."""
+    hits = []
+    for d in range(split.num_docs):
+        doc = np.asarray(split.tokens[split.offsets[d] : split.offsets[d + 1]])
+        for s in range(len(doc) - len(seg) + 1):
+            if np.array_equal(doc[s : s + len(seg)], seg):
+                hits.append((d, s))
+    return hits
+
+
+def check_no_leak(split, bos: int, inputs: torch.Tensor, doc_ids: torch.Tensor) -> None:
+    """Each doc-id run must be one slice of one manifest document: a suffix (row start), whole
+    documents (middle) or a prefix (row end). A run spanning two documents would hold an inner
+    BOS, which no document contains, so it matches nowhere."""
+    per_row = {}
+    for r, start, seg in segments(inputs, doc_ids):
+        per_row.setdefault(r, []).append((start, seg))
+    for r, segs in per_row.items():
+        assert doc_ids[r, 0] == 0
+        assert torch.equal(torch.unique_consecutive(doc_ids[r]), torch.arange(len(segs), dtype=torch.int32))
+        for k, (start, seg) in enumerate(segs):
+            ok = [
+                (d, s) for d, s in locate(split, seg)
+                if (k == 0 or s == 0)  # a new doc id starts exactly at a document's BOS
+                and (k == len(segs) - 1 or s + len(seg) == split.offsets[d + 1] - split.offsets[d])
+            ]
+            assert ok, f"row {r}: tokens {start}..{start + len(seg)} are not one slice of one document"
+            assert k == 0 or seg[0] == bos
+
+
+def test_bos_starts_each_document_and_doc_ids_never_leak(data):
+    shards = data.shards
+    loader = PackedLoader(shards, B, T, seed=1)
+    for _ in range(loader.steps_per_epoch + 2):
+        x, y, ids = next(loader)
+        assert x.dtype == y.dtype == torch.int64 and ids.dtype == torch.int32 and x.shape == (B, T)
+        assert torch.equal(ids[:, 1:] != ids[:, :-1], x[:, 1:] == shards.bos_id)
+        check_no_leak(shards.splits["train"], shards.bos_id, x, ids)
+    for batch in ValLoader(shards, B, T):
+        check_no_leak(shards.splits["val"], shards.bos_id, batch.inputs, batch.doc_ids)
+
+
+def test_targets_are_shifted_inputs_and_rows_continue(data):
+    loader = PackedLoader(data.shards, B, T)
+    x, y, _ = next(loader)
+    x2, _, _ = next(loader)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    # Row k+1 starts where row k's targets end: the stream is cut, not skipped.
+    assert torch.equal(y[:-1, -1], x[1:, 0])
+    assert y[-1, -1] == x2[0, 0]
+
+
+def test_tier1_rank_sharding_disjoint_and_covering(data):
+    shards, world = data.shards, 2
+    single = PackedLoader(shards, B * world, T, seed=3)
+    ranks = [PackedLoader(shards, B, T, rank=r, world_size=world, seed=3) for r in range(world)]
+    assert all(r.steps_per_epoch == single.steps_per_epoch for r in ranks)
+    stream = []
+    for _ in range(single.steps_per_epoch):
+        whole = next(single)
+        parts = [next(r) for r in ranks]
+        for i in range(3):
+            assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+        rows = [tuple(row.tolist()) for p in parts for row in p.inputs]
+        assert len(set(rows)) == len(rows)
+        stream.append(whole.inputs.reshape(-1))
+    # One epoch: every document at most once, all but the dropped tail present.
+    stream = torch.cat(stream).numpy()
+    split = shards.splits["train"]
+    starts = np.flatnonzero(stream == shards.bos_id)
+    seen = []
+    for s in starts:
+        hits = [d for d, at in locate(split, stream[s : s + 8]) if at == 0]
+        assert len(hits) == 1
+        seen.append(hits[0])
+    assert len(set(seen)) == len(seen)
+    tail = split.num_tokens - len(stream)
+    assert 0 <= tail < world * B * T + 1 + int(np.diff(split.offsets).max())
+    assert split.num_docs - len(seen) <= 1 + tail // int(np.diff(split.offsets).min())
+
+
+def test_epochs_reshuffle_document_order(data):
+    loader = PackedLoader(data.shards, B, T, seed=0)
+    epochs = [torch.cat([next(loader).inputs for _ in range(loader.steps_per_epoch)]) for _ in range(2)]
+    assert not torch.equal(epochs[0], epochs[1])
+    other_seed = PackedLoader(data.shards, B, T, seed=1)
+    assert not torch.equal(next(other_seed).inputs, epochs[0][:B])
+
+
+@pytest.mark.parametrize("stop", ["early", "epoch_end", "next_epoch"])
+def test_tier1_resume_gives_identical_batches(data, stop):
+    shards = data.shards
+    ref = PackedLoader(shards, B, T, seed=7)
+    k = {"early": 1, "epoch_end": ref.steps_per_epoch, "next_epoch": ref.steps_per_epoch + 2}[stop]
+    n = 2 * ref.steps_per_epoch + 3  # crosses at least one epoch boundary after resuming
+    expected = [next(ref) for _ in range(n)]
+    first = PackedLoader(shards, B, T, seed=7)
+    for _ in range(k):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
+    resumed = PackedLoader(shards, B, T, seed=7)
+    resumed.load_state_dict(state)
+    for step in range(k, n):
+        got = next(resumed)
+        for a, b in zip(got, expected[step], strict=True):
+            assert torch.equal(a, b), f"step {step} differs after resuming at {k}"
+
+
+def test_resume_rejects_a_different_stream(data):
+    state = PackedLoader(data.shards, B, T).state_dict()
+    with pytest.raises(ValueError, match="seq_len"):
+        PackedLoader(data.shards, B, T * 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="data_key"):
+        PackedLoader(data.shards, B, T).load_state_dict({**state, "data_key": "other"})
+
+
+def test_tier2_val_loader_deterministic_with_correct_byte_counts(data):
+    shards, tok = data.shards, data.tokenizer
+    val = ValLoader(shards, 2, T, num_batches=3)
+    assert len(val) == 3
+    first, second = list(val), list(ValLoader(shards, 2, T, num_batches=3))
+    assert len(first) == 3
+    for a, b in zip(first, second, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    for batch in first:
+        assert torch.equal(batch.target_bytes == 0, batch.targets == shards.bos_id)
+        for row, nbytes in zip(batch.targets, batch.target_bytes, strict=True):
+            text = tok.decode([t for t in row.tolist() if t != shards.bos_id])
+            assert int(nbytes.sum()) == len(text.encode("utf-8"))  # ASCII corpus: no split chars
+    # The whole split walked once covers all text bytes except the cut-off tail.
+    full = ValLoader(shards, 1, T)
+    split = shards.splits["val"]
+    covered = sum(int(b.target_bytes.sum()) for b in full)
+    tail_tokens = split.num_tokens - 1 - len(full) * T
+    assert split.num_bytes - covered <= tail_tokens * int(shards.token_bytes.max())
+    assert covered <= split.num_bytes
+    assert bits_per_byte(float(np.log(2)) * 8, 8) == pytest.approx(1.0)
+
+
+def test_split_too_small_error(data):
+    with pytest.raises(ValueError, match="val split has .* tokens: one batch needs"):
+        ValLoader(data.shards, 64, 512)
+    with pytest.raises(ValueError, match="rank 2 not in"):
+        PackedLoader(data.shards, B, T, rank=2, world_size=2)
