@@ -1,7 +1,19 @@
-"""M block mixer: Mamba-3 SISO (stub: config only)."""
+"""M block mixer: Mamba-3 SISO (trapezoidal scan, data-dependent RoPE on B/C), see docs/mamba3.md.
+
+The parameter layout maps one-to-one onto mamba_ssm 2.3.2's `Mamba3` (SISO, is_outproj_norm=False);
+`megacpp.model.mamba3_convert` translates state dicts.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_scan, mamba3_step
 
 
 @dataclass
@@ -16,3 +28,147 @@ class Mamba3Config:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     chunk_size: int = 64
+    norm_eps: float = 1e-5
+
+
+def num_rope_angles(d_state: int, rope_fraction: float) -> int:
+    """Rotated pairs: the even part of d_state * rope_fraction, halved (mamba_ssm's rule)."""
+    rotated = int(d_state * rope_fraction)
+    return (rotated - rotated % 2) // 2
+
+
+class _Projected(NamedTuple):
+    z: Tensor  # (b, t, h, p), activation dtype
+    x: Tensor  # (b, t, h, p), activation dtype
+    B: Tensor  # (b, t, h, n) fp32, normed and biased, not yet rotated
+    C: Tensor  # (b, t, h, n)
+    adt: Tensor  # (b, t, h) fp32
+    dt: Tensor  # (b, t, h)
+    lam: Tensor  # (b, t, h)
+    angle_step: Tensor  # (b, t, h, n_angles): pi * tanh(theta_t) * dt_t
+
+
+class Mamba3(nn.Module):
+    def __init__(self, d_model: int, cfg: Mamba3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.d_inner = cfg.expand * d_model
+        if self.d_inner % cfg.head_dim:
+            raise ValueError(f"expand * d_model = {self.d_inner} is not divisible by head_dim {cfg.head_dim}")
+        self.n_heads = self.d_inner // cfg.head_dim
+        if self.n_heads % cfg.n_groups:
+            raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_groups = {cfg.n_groups}")
+        self.n_angles = num_rope_angles(cfg.d_state, cfg.rope_fraction)
+        if self.n_angles < 1:
+            raise ValueError("rope_fraction * d_state must cover at least one pair of state dimensions")
+        bc = cfg.d_state * cfg.n_groups
+        # in_proj rows: [z, x, B, C, dd_dt, dd_A, trap, angles]
+        self.split_sizes = (self.d_inner, self.d_inner, bc, bc, self.n_heads, self.n_heads, self.n_heads,
+                            self.n_angles)
+        self.in_proj = nn.Linear(d_model, sum(self.split_sizes), bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
+        # B/C are per group but their biases are per head (as in mamba_ssm): B, C become per head here.
+        self.B_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
+        self.C_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
+        self.B_bias._optim_group = "adamw"
+        self.C_bias._optim_group = "adamw"
+        self.B_norm = nn.RMSNorm(cfg.d_state, eps=cfg.norm_eps)
+        self.C_norm = nn.RMSNorm(cfg.d_state, eps=cfg.norm_eps)
+        self.D = nn.Parameter(torch.empty(self.n_heads))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """mamba_ssm's init (default Linear in_proj, log-uniform dt, unit biases/norms/D); out_proj zero."""
+        cfg = self.cfg
+        self.in_proj.reset_parameters()
+        with torch.no_grad():
+            log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max))
+            dt = log_dt.exp().clamp(min=cfg.dt_init_floor)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            self.B_bias.fill_(1.0)
+            self.C_bias.fill_(1.0)
+            self.D.fill_(1.0)
+        self.B_norm.reset_parameters()
+        self.C_norm.reset_parameters()
+        nn.init.zeros_(self.out_proj.weight)
+
+    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        proj = self._project(x)
+        theta = _segmented_cumsum(proj.angle_step, doc_ids)
+        y = mamba3_scan(
+            proj.x, _rotate(proj.B, theta), _rotate(proj.C, theta), proj.adt, proj.dt, proj.lam,
+            D=self.D, z=proj.z, doc_ids=doc_ids, chunk_size=self.cfg.chunk_size,
+        )
+        return self.out_proj(y.flatten(2))
+
+    def init_cache(
+        self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        """Fixed-size recurrent state (max_len is not needed): angle, H (fp32 or wider), B_prev, x_prev."""
+        h, p, n = self.n_heads, self.cfg.head_dim, self.cfg.d_state
+        wide = torch.promote_types(dtype, torch.float32)
+        return {
+            "angle": torch.zeros(batch_size, h, self.n_angles, device=device, dtype=wide),
+            "H": torch.zeros(batch_size, h, p, n, device=device, dtype=wide),
+            "B_prev": torch.zeros(batch_size, h, n, device=device, dtype=wide),
+            "x_prev": torch.zeros(batch_size, h, p, device=device, dtype=dtype),
+        }
+
+    def forward_step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        proj = self._project(x)
+        angle = torch.remainder(cache["angle"] + proj.angle_step[:, 0], 2 * math.pi)
+        state = (cache["H"], cache["B_prev"], cache["x_prev"])
+        y, (H, B, x_last) = mamba3_step(
+            proj.x[:, 0], _rotate(proj.B[:, 0], angle), _rotate(proj.C[:, 0], angle),
+            proj.adt[:, 0], proj.dt[:, 0], proj.lam[:, 0], state, D=self.D, z=proj.z[:, 0],
+        )
+        for key, value in (("angle", angle), ("H", H), ("B_prev", B), ("x_prev", x_last)):
+            cache[key].copy_(value)
+        return self.out_proj(y.flatten(1)).unsqueeze(1)
+
+    def _project(self, u: Tensor) -> _Projected:
+        b, t, _ = u.shape
+        h, p, g, n = self.n_heads, self.cfg.head_dim, self.cfg.n_groups, self.cfg.d_state
+        z, x, B, C, dd_dt, dd_A, trap, theta = self.in_proj(u).split(self.split_sizes, dim=-1)
+        dt = F.softplus(dd_dt.float() + self.dt_bias)
+        A = torch.clamp(-F.softplus(dd_A.float()), max=-self.cfg.A_floor)
+        angle_step = math.pi * torch.tanh(theta.float())[:, :, None, :] * dt[..., None]
+        return _Projected(
+            z=z.view(b, t, h, p),
+            x=x.view(b, t, h, p),
+            B=self._per_head(self.B_norm(B.float().view(b, t, g, n))) + self.B_bias,
+            C=self._per_head(self.C_norm(C.float().view(b, t, g, n))) + self.C_bias,
+            adt=A * dt,
+            dt=dt,
+            lam=torch.sigmoid(trap.float()),
+            angle_step=angle_step,
+        )
+
+    def _per_head(self, v: Tensor) -> Tensor:
+        """(b, t, g, n) -> (b, t, h, n): head i reads group i // (h // g)."""
+        return v.repeat_interleave(self.n_heads // self.cfg.n_groups, dim=2)
+
+
+def _rotate(v: Tensor, theta: Tensor) -> Tensor:
+    """Rotate the interleaved pairs (2i, 2i+1), i < theta.shape[-1], of v's last dim by theta[..., i]."""
+    k = theta.shape[-1]
+    pairs = v[..., : 2 * k].unflatten(-1, (k, 2))
+    v0, v1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = theta.cos(), theta.sin()
+    rotated = torch.stack((v0 * cos - v1 * sin, v0 * sin + v1 * cos), dim=-1).flatten(-2)
+    return torch.cat((rotated, v[..., 2 * k :]), dim=-1)
+
+
+def _segmented_cumsum(step: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """Cumulative sum over dim 1 that restarts at every document start (static shapes, no host sync)."""
+    total = step.cumsum(dim=1)
+    if doc_ids is None:
+        return total
+    t = doc_ids.shape[1]
+    positions = torch.arange(t, device=doc_ids.device).expand_as(doc_ids)
+    doc_start = torch.where(doc_boundaries(doc_ids), positions, 0).cummax(dim=1).values
+    before = total - step  # exclusive cumsum: what precedes each token
+    index = doc_start.view(*doc_start.shape, *([1] * (step.dim() - 2))).expand_as(step)
+    return total - before.gather(1, index)
