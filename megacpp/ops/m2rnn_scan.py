@@ -1,0 +1,158 @@
+"""M2RNN recurrence: sequential scan and single decode step.
+
+Per batch row and head, with matrix state h (key_dim x value_dim):
+
+    h_t = tanh(f_t * h_{t-1} @ W + k_t v_t^T)        y_t = q_t^T h_t   (value_dim)
+
+f_t in (0, 1] is the per-head decay, W (value_dim x value_dim) a per-head matrix. The recurrence is
+nonlinear, so there is no parallel form: the scan loops over time. The loop lives inside an opaque
+custom op (`megacpp::m2rnn_scan_fwd`) with a hand-written backward through time
+(`megacpp::m2rnn_scan_bwd`): under torch.compile the scan is one graph node, so compile time does not
+grow with the sequence length (an unrolled Python loop of 64 steps took minutes to lower with Inductor
+on CPU), and there is no graph break. Everything runs in at least fp32 with autocast off; y is
+returned in v's dtype, states in the compute dtype.
+
+Shapes: q, k (b, t, H, dk); v (b, t, H, dv); f (b, t, H); W (H, dv, dv); state (b, H, dk, dv);
+doc_ids (b, t) integer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _keep_mask(doc_ids: Tensor) -> Tensor:
+    """(b, t) bool: False where a new document starts at t >= 1 (state reset), else True. Position 0
+    keeps the initial state: a caller passes initial_state only when position 0 continues its document."""
+    same = doc_ids[:, 1:] == doc_ids[:, :-1]
+    first = torch.ones_like(doc_ids[:, :1], dtype=torch.bool)
+    return torch.cat([first, same], dim=1)
+
+
+# The ops take the callers' layout, q, k (b, t, H, dk); v (b, t, H, dv); f (b, t, H), plus W (H, dv, dv)
+# and h0 (H, b, dk, dv), and work time-major, heads-first inside: a state (H, b, dk, dv) views as
+# (H, b*dk, dv), so one bmm per step applies W without expanding it over the batch. Keeping the layout
+# changes inside the opaque op means no permute's backward feeds an elementwise backward outside it
+# (torch's fake strides for such a chain can disagree with the real ones under AOTAutograd). They
+# return y (t, H, b, dv) and every state (t, H, b, dk, dv): the backward needs them (tanh' = 1 - h^2).
+
+
+def _time_major(q: Tensor, k: Tensor, v: Tensor, f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (*(x.permute(1, 2, 0, 3).contiguous() for x in (q, k, v)), f.permute(1, 2, 0).contiguous())
+
+
+@torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
+def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    qs, ks, vs, fs = _time_major(q, k, v, f)
+    t, n_heads, b, dk = qs.shape
+    dv = vs.shape[-1]
+    states = qs.new_empty(t, n_heads, b, dk, dv)
+    pre = qs.new_empty(n_heads, b, dk, dv)  # reused every step: no per-step allocation
+    h = h0
+    for i in range(t):
+        torch.bmm(h.reshape(n_heads, b * dk, dv), W, out=pre.view(n_heads, b * dk, dv))
+        pre.mul_(fs[i][..., None, None]).addcmul_(ks[i].unsqueeze(-1), vs[i].unsqueeze(-2))
+        h = torch.tanh(pre, out=states[i])
+    y = torch.einsum("thbk,thbkv->thbv", qs, states)
+    return y, states
+
+
+@_scan_fwd.register_fake
+def _scan_fwd_fake(q, k, v, f, W, h0):
+    b, t, n_heads, dk = q.shape
+    dv = v.shape[-1]
+    return q.new_empty(t, n_heads, b, dv), q.new_empty(t, n_heads, b, dk, dv)
+
+
+@torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())
+def _scan_bwd(
+    q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, states: Tensor,
+    grad_y: Tensor, grad_states: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward through time. With p_t = f_t h_{t-1} W + k_t v_t^T and h_t = tanh(p_t):
+    dL/dp_t = (dL/dh_t) (1 - h_t^2), dL/dh_{t-1} = f_t dL/dp_t W^T; the rest follows from dL/dp_t."""
+    qs, ks, vs, fs = _time_major(q, k, v, f)
+    t, n_heads, b, dk = qs.shape
+    dv = vs.shape[-1]
+    grad_pre = torch.empty_like(states)  # dL/dp_t for every t
+    carry = h0.new_zeros(n_heads, b, dk, dv)  # dL/dh_t from later steps; reused every step
+    w_t = W.transpose(1, 2)
+    for i in range(t - 1, -1, -1):
+        carry.add_(grad_states[i]).addcmul_(qs[i].unsqueeze(-1), grad_y[i].unsqueeze(-2))
+        dp = torch.mul(carry, 1 - states[i].square(), out=grad_pre[i])
+        torch.bmm(dp.view(n_heads, b * dk, dv), w_t, out=carry.view(n_heads, b * dk, dv))
+        carry.mul_(fs[i][..., None, None])
+    prev = torch.cat([h0.unsqueeze(0), states[:-1]])  # h_{t-1} for every t
+    prev_w = torch.einsum("thbkv,hvw->thbkw", prev, W)
+    grad_f = (grad_pre * prev_w).sum(dim=(-2, -1))
+    grad_w = torch.einsum("thbkv,thbkw->hvw", prev * fs[..., None, None], grad_pre)
+    grad_k = torch.einsum("thbkv,thbv->thbk", grad_pre, vs)
+    grad_v = torch.einsum("thbkv,thbk->thbv", grad_pre, ks)
+    grad_q = torch.einsum("thbkv,thbv->thbk", states, grad_y)
+    # Back to the callers' layout, contiguous as the fake promises (empty_like): a real output whose
+    # strides differ from its fake's breaks the views AOTAutograd plans around it.
+    grad_q, grad_k, grad_v = (g.permute(2, 0, 1, 3).contiguous() for g in (grad_q, grad_k, grad_v))
+    return grad_q, grad_k, grad_v, grad_f.permute(2, 0, 1).contiguous(), grad_w.contiguous(), carry.contiguous()
+
+
+@_scan_bwd.register_fake
+def _scan_bwd_fake(q, k, v, f, W, h0, states, grad_y, grad_states):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
+            torch.empty_like(W), torch.empty_like(h0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _backward(ctx, grad_y: Tensor, grad_states: Tensor):
+    return _scan_bwd(*ctx.saved_tensors, grad_y.contiguous(), grad_states.contiguous())
+
+
+_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def m2rnn_scan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    W: Tensor,
+    initial_state: Tensor | None = None,
+    doc_ids: Tensor | None = None,
+    return_final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Sequential scan. Returns y (b, t, H, dv), and the final state (b, H, dk, dv) when
+    return_final_state. Where doc_ids changes between t-1 and t the previous state is treated as 0."""
+    b, _, n_heads, dk = q.shape
+    dv = v.shape[-1]
+    acc, out_dtype = _compute_dtype(v), v.dtype
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        if doc_ids is not None:
+            f = f * _keep_mask(doc_ids).to(f.dtype).unsqueeze(-1)  # f = 0 forgets the previous state
+        if initial_state is None:
+            h0 = q.new_zeros(n_heads, b, dk, dv, dtype=acc)
+        else:
+            h0 = initial_state.to(acc).transpose(0, 1).contiguous()
+        q, k, v, f = (x.to(acc).contiguous() for x in (q, k, v, f))
+        y, states = _scan_fwd(q, k, v, f, W.to(acc).contiguous(), h0)
+    y = y.permute(2, 0, 1, 3).to(out_dtype)  # (t, H, b, dv) -> (b, t, H, dv)
+    if return_final_state:
+        return y, states[-1].transpose(0, 1)
+    return y
+
+
+def m2rnn_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One decode step. q, k (b, H, dk); v (b, H, dv); f (b, H); state (b, H, dk, dv).
+    Returns y (b, H, dv) in v's dtype and the new state (b, H, dk, dv) in the compute dtype."""
+    acc = _compute_dtype(v)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        hw = torch.matmul(state.to(acc), W.to(acc))
+        outer = k.to(acc).unsqueeze(-1) * v.to(acc).unsqueeze(-2)
+        new_state = torch.tanh(torch.addcmul(outer, f.to(acc)[..., None, None], hw))
+        y = torch.matmul(q.to(acc).unsqueeze(-2), new_state).squeeze(-2)
+    return y.to(v.dtype), new_state

@@ -1,0 +1,314 @@
+"""Tests for the E block (megacpp.model.moe). Tier in each name: tier1 bitwise, tier2 rerun, tier3 tol."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from megacpp.model.moe import MoE, MoEConfig, dispatch_slots, expert_capacity, token_choice_route
+
+D = 8
+# float64 reference comparisons: a few ulps of ~1e-16 amplified by short sums of O(1) terms.
+F64_TOL = {"atol": 1e-12, "rtol": 1e-12}
+# float32 compiled-vs-eager: reduction order may differ; eps(fp32) ~1.2e-7 times a small margin.
+F32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def make_moe(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> MoE:
+    """Tiny MoE with non-zero output projections and a non-zero selection bias, so every term of
+    the forward is exercised (the house init zeroes the output projections)."""
+    fields = {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_expert": True}
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    m = MoE(D, MoEConfig(**fields), layer_idx=0)
+    with torch.no_grad():
+        m.w_down.normal_(std=0.3)
+        if m.shared_down is not None:
+            m.shared_down.weight.normal_(std=0.3)
+        m.expert_bias.normal_(std=0.1)
+    return m.to(dtype)
+
+
+def no_overflow_factor(cfg: MoEConfig) -> float:
+    """Capacity factor giving capacity = n_tokens (every assignment fits)."""
+    return cfg.n_experts / cfg.top_k
+
+
+def dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Loop over tokens; compute every selected expert; weighted sum. Independent of moe.py."""
+    xf = x.reshape(-1, x.shape[-1])
+    scores = torch.sigmoid(xf @ m.gate.weight.T)
+    out = torch.zeros_like(xf)
+    for n in range(xf.shape[0]):
+        biased = [(scores[n, e] + m.expert_bias[e]).item() for e in range(m.cfg.n_experts)]
+        chosen = sorted(range(m.cfg.n_experts), key=lambda e: -biased[e])[: m.cfg.top_k]
+        total = sum(scores[n, e] for e in chosen)
+        for e in chosen:
+            hidden = F.relu(xf[n] @ m.w_up[e]).square()
+            out[n] += scores[n, e] / total * (hidden @ m.w_down[e])
+        if m.shared_up is not None:
+            out[n] += m.shared_down.weight @ F.relu(m.shared_up.weight @ xf[n]).square()
+    return out.view_as(x)
+
+
+def test_tier3_matches_dense_reference_without_overflow():
+    m = make_moe(seed=1)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    y = m(x)
+    assert int(m.overflow) == 0
+    torch.testing.assert_close(y, dense_reference(m, x), **F64_TOL)
+
+
+def test_tier3_matches_dense_reference_without_shared_expert():
+    m = make_moe(seed=2, shared_expert=False, n_experts=5, top_k=3)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    x = torch.randn(1, 7, D, dtype=torch.float64)
+    torch.testing.assert_close(m(x), dense_reference(m, x), **F64_TOL)
+
+
+def test_tier3_permutation_equivariance_without_overflow():
+    m = make_moe(seed=3)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    x = torch.randn(1, 10, D, dtype=torch.float64)
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(m(x[:, perm]), m(x)[:, perm], **F64_TOL)
+
+
+def test_tier1_overflow_counted_exactly_and_dropped_in_token_order():
+    # Zero gate: every score is 0.5, so the bias alone selects experts 0 and 1 for every token.
+    m = make_moe(seed=4, shared_expert=False, capacity_factor=1.0)
+    with torch.no_grad():
+        m.gate.weight.zero_()
+        m.expert_bias.copy_(torch.tensor([2.0, 1.0, 0.0, 0.0]))
+    x = torch.randn(1, 10, D, dtype=torch.float64)
+    y = m(x)
+    # 10 tokens, k=2, E=4, factor 1: ceil(10*2/4) = 5 -> power of two 8 slots per expert.
+    assert m.capacity(10) == 8
+    assert torch.equal(m.tokens_per_expert, torch.tensor([10, 10, 0, 0]))
+    assert int(m.overflow) == (10 - 8) * 2
+    # Tokens 8 and 9 lost both assignments (last in token order); tokens 0..7 kept both.
+    assert torch.equal(y[0, 8:], torch.zeros(2, D, dtype=torch.float64))
+    assert bool((y[0, :8].abs().sum(-1) > 0).all())
+
+
+def test_tier1_tokens_per_expert_exact():
+    m = make_moe(seed=5, n_experts=6, top_k=2, capacity_factor=0.5)
+    x = torch.randn(3, 7, D, dtype=torch.float64)
+    m(x)
+    scores = torch.sigmoid(x @ m.gate.weight.T)
+    chosen = torch.argsort(scores + m.expert_bias, dim=-1, descending=True)[..., :2]  # (3, 7, 2)
+    per_row = torch.stack([(chosen == e).sum(dim=(1, 2)) for e in range(6)], dim=1)  # (3, 6)
+    assert torch.equal(m.tokens_per_expert, per_row.sum(0))
+    cap = m.capacity(7)  # capacity is per sequence: ceil(0.5 * 7 * 2 / 6) = 2 -> 2
+    assert cap == 2
+    assert int(m.overflow) == int((per_row - cap).clamp(min=0).sum())
+
+
+def test_tier1_dispatch_slots_positions_by_token_then_slot():
+    # Two rows of 4 tokens, k=2, E=3, capacity 2. Buffer row = e*(b*cap) + row*cap + position;
+    # trash row = 3*2*2 = 12.
+    expert_idx = torch.tensor([[0, 1, 1, 0, 0, 2, 1, 2], [2, 0, 2, 1, 2, 0, 1, 0]])
+    dest, keep, counts = dispatch_slots(expert_idx, n_experts=3, capacity=2)
+    assert torch.equal(dest, torch.tensor([[0, 4, 5, 1, 12, 8, 12, 9], [10, 2, 11, 6, 12, 3, 7, 12]]))
+    assert torch.equal(keep, dest != 12)
+    assert torch.equal(counts, torch.tensor([6, 5, 5]))
+
+
+def test_tier3_rows_independent_even_with_overflow():
+    m = make_moe(seed=15, capacity_factor=0.5)
+    x = torch.randn(3, 8, D, dtype=torch.float64)
+    y = m(x)
+    assert int(m.overflow) > 0
+    for r in range(3):
+        torch.testing.assert_close(m(x[r : r + 1]), y[r : r + 1], **F64_TOL)
+
+
+def test_tier1_bias_affects_selection_only():
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.2]])
+    idx0, w0 = token_choice_route(scores, torch.zeros(4), top_k=2)
+    idx1, w1 = token_choice_route(scores, torch.tensor([0.05, 0.0, 0.0, 0.01]), top_k=2)
+    assert torch.equal(idx0, idx1)
+    assert torch.equal(w0, w1)
+    assert torch.equal(w0, scores[:, :2] / scores[:, :2].sum())
+    idx2, w2 = token_choice_route(scores, torch.tensor([0.0, 0.0, 1.0, 0.0]), top_k=2)
+    assert torch.equal(idx2, torch.tensor([[2, 0]]))
+    # Weights are the unbiased scores of the new selection, normalised: 0.1 and 0.9 over their sum.
+    picked = torch.tensor([[0.1, 0.9]])
+    assert torch.equal(w2, picked / picked.sum(-1, keepdim=True))
+
+
+def test_tier1_update_bias_applies_sign_rule():
+    m = make_moe(seed=6, bias_update_rate=0.25)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    m.expert_bias.zero_()  # from zero the update is exact in floating point
+    m(torch.randn(2, 6, D, dtype=torch.float64))
+    load = m.tokens_per_expert.double()
+    before = m.expert_bias.clone()
+    m.update_bias()
+    assert torch.equal(m.expert_bias - before, 0.25 * torch.sign(load.mean() - load))
+
+
+def test_tier2_update_bias_moves_load_toward_balance():
+    m = make_moe(seed=7, bias_update_rate=0.05)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.tensor([0.6, 0.0, 0.0, 0.0], dtype=torch.float64))
+    x = torch.randn(2, 16, D, dtype=torch.float64)
+    with torch.no_grad():
+        m(x)
+        spread_before = int(m.tokens_per_expert.max() - m.tokens_per_expert.min())
+        for _ in range(20):
+            m.update_bias()
+            m(x)
+    spread_after = int(m.tokens_per_expert.max() - m.tokens_per_expert.min())
+    assert spread_before >= 20  # expert 0 starts out taking (almost) every token
+    assert spread_after <= spread_before // 4
+
+
+@pytest.mark.parametrize(
+    ("n_tokens", "top_k", "n_experts", "factor", "expected"),
+    [(16, 2, 8, 1.25, 8), (10, 2, 4, 1.0, 8), (100, 2, 4, 1.0, 64), (1, 2, 8, 1.25, 1),
+     (10, 2, 2, 2.0, 10), (64, 1, 4, 1.0, 16), (3, 1, 4, 1.0, 1)],
+)
+def test_tier1_capacity_rounding(n_tokens, top_k, n_experts, factor, expected):
+    assert expert_capacity(n_tokens, top_k, n_experts, factor) == expected
+
+
+def expert_choice_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Per row, each expert takes its top-capacity tokens by score; output = sum of score * expert."""
+    scores = torch.sigmoid(x @ m.gate.weight.T)
+    cap = m.capacity(x.shape[1])
+    out = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        for e in range(m.cfg.n_experts):
+            for n in torch.argsort(scores[r, :, e], descending=True)[:cap].tolist():
+                out[r, n] += scores[r, n, e] * (F.relu(x[r, n] @ m.w_up[e]).square() @ m.w_down[e])
+    return out
+
+
+def test_tier3_expert_choice_shapes_capacity_and_reference():
+    m = make_moe(seed=8, routing="expert_choice", shared_expert=False, capacity_factor=1.0)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    y = m(x)
+    cap = m.capacity(5)
+    assert cap == 4  # ceil(1.0 * 5 * 2 / 4) = 3 -> 4 slots per expert per sequence
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(m.tokens_per_expert, torch.full((4,), 2 * cap))
+    scores = torch.sigmoid(x @ m.gate.weight.T)
+    top = torch.argsort(scores, dim=1, descending=True)[:, :cap]  # (b, cap, E) token ids per row
+    unpicked = sum(1 for r in range(2) for n in range(5) if not bool((top[r] == n).any()))
+    assert int(m.overflow) == unpicked
+    torch.testing.assert_close(y, expert_choice_reference(m, x), **F64_TOL)
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
+def test_tier2_rerun_identical_outputs_stats_and_grads(routing):
+    m = make_moe(seed=9, dtype=torch.float32, routing=routing, capacity_factor=1.0)
+    x = torch.randn(2, 9, D)
+    runs = []
+    for _ in range(2):
+        m.zero_grad()
+        y = m(x)
+        y.square().sum().backward()
+        runs.append((y, m.tokens_per_expert.clone(), m.overflow.clone(),
+                     [p.grad.clone() for p in m.parameters()]))
+    (y0, t0, o0, g0), (y1, t1, o1, g1) = runs
+    assert torch.equal(y0, y1) and torch.equal(t0, t1) and torch.equal(o0, o1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+def test_tier1_router_ignores_bf16_autocast():
+    m = make_moe(seed=10, dtype=torch.float32, capacity_factor=1.0)
+    x = torch.randn(2, 9, D)
+    m(x)
+    ref_counts, ref_overflow = m.tokens_per_expert.clone(), m.overflow.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(m.tokens_per_expert, ref_counts) and torch.equal(m.overflow, ref_overflow)
+
+
+def test_tier3_forward_step_equals_forward_and_cache_empty():
+    m = make_moe(seed=11)
+    m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    cache = m.init_cache(2, 4, device="cpu", dtype=torch.float64)
+    assert cache == {}
+    steps = torch.cat([m.forward_step(x[:, i : i + 1], cache) for i in range(4)], dim=1)
+    torch.testing.assert_close(steps, m(x), **F64_TOL)
+
+
+def test_tier1_init_tags_and_buffers():
+    m = MoE(D, MoEConfig(n_experts=4, top_k=2, expert_hidden=16), layer_idx=3)
+    assert m.gate.weight._optim_group == "adamw"
+    assert m.w_up._muon_lr_scaling == "match_rms_adamw" and m.w_down._muon_lr_scaling == "match_rms_adamw"
+    assert m.w_up.shape == (4, D, 16) and m.w_down.shape == (4, 16, D)
+    assert not m.w_down.any() and not m.shared_down.weight.any()
+    assert not m(torch.randn(1, 3, D)).any()  # zero output projections -> zero output at init
+    state = m.state_dict()
+    assert "expert_bias" in state and "tokens_per_expert" not in state and "overflow" not in state
+    assert m.overflow.dim() == 0 and m.tokens_per_expert.shape == (4,)
+
+
+def test_tier1_rejects_bad_config():
+    with pytest.raises(ValueError, match="routing"):
+        MoE(D, MoEConfig(routing="hash"), 0)
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(D, MoEConfig(n_experts=2, top_k=3), 0)
+
+
+def python_scalars(module: torch.nn.Module) -> dict[str, object]:
+    return {f"{name}.{k}": v for name, sub in module.named_modules() for k, v in vars(sub).items()
+            if isinstance(v, (bool, int, float, str))}
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
+def test_tier1_forward_mutates_no_python_scalar(routing):
+    m = make_moe(seed=12, dtype=torch.float32, routing=routing)
+    before = python_scalars(m)
+    m(torch.randn(2, 5, D)).sum().backward()
+    assert python_scalars(m) == before
+
+
+def compile_and_check(m: MoE, x: torch.Tensor, backend: str, backward: bool) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend=backend, fullgraph=True)
+    with torch.set_grad_enabled(backward):
+        y = compiled(x)
+    if backward:
+        y.sum().backward()
+    assert len(counters["graph_break"]) == 0, dict(counters["graph_break"])
+    stats = m.tokens_per_expert.clone(), m.overflow.clone()
+    torch.testing.assert_close(y, m(x), **F32_TOL)
+    assert torch.equal(stats[0], m.tokens_per_expert) and torch.equal(stats[1], m.overflow)
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
+def test_tier3_compiles_fullgraph_eager_backend(routing):
+    m = make_moe(seed=13, dtype=torch.float32, routing=routing, capacity_factor=1.0)
+    compile_and_check(m, torch.randn(2, 6, D), backend="eager", backward=True)
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
+def test_tier3_dynamic_batch_compiles_once(routing):
+    # The compile policy marks the batch axis dynamic: capacity must not depend on it.
+    m = make_moe(seed=16, dtype=torch.float32, routing=routing, capacity_factor=1.0)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    for b in (2, 3, 5):
+        x = torch.randn(b, 6, D)
+        if b == 2:
+            torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), m(x), **F32_TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(counters["graph_break"]) == 0
+
+
+def test_tier3_compiles_fullgraph_inductor():
+    # Forward only: a cold Inductor compile of forward+backward costs ~15 s on a 2-core CPU.
+    m = make_moe(seed=14, dtype=torch.float32, capacity_factor=1.0)
+    compile_and_check(m, torch.randn(2, 6, D), backend="inductor", backward=False)
