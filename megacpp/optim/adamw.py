@@ -1,0 +1,97 @@
+"""AdamW companion with Muon's idiom: lr and weight decay as 0-D tensors, optionally one compiled graph.
+
+The moment updates, bias correction and parameter update are torch's own functional Adam
+(`torch.optim.adam.adam`); only the decoupled weight decay is done here, because torch takes
+weight_decay as a Python float (a compiled step would recompile whenever it changed) and tests
+`weight_decay != 0` on the host. Eager steps use torch's fused kernel (CPU and CUDA, tensor lr
+supported); compiled steps use its foreach + capturable path, which traces into one graph.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam
+
+from megacpp.optim.hparams import TensorHParamOptimizer
+
+
+def adamw_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: Tensor,
+    weight_decay: Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool,
+) -> None:
+    """One AdamW step for one group: p <- p (1 - lr wd), then torch's Adam update with tensor lr."""
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        foreach=not fused, capturable=not fused, fused=fused,
+        amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=0.0, eps=eps, maximize=False,
+    )
+
+
+def adamw_step(work: list[tuple[Any, ...]], fused: bool) -> None:
+    """All groups of one optimizer step (the unit that `compile_step` turns into one graph)."""
+    for args in work:
+        adamw_update(*args, fused)
+
+
+class AdamW(TensorHParamOptimizer):
+    """AdamW (decoupled weight decay) with 0-D tensor lr and weight_decay; betas and eps are static."""
+
+    TENSOR_HPARAMS = ("lr", "weight_decay")
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        compile_step: bool = False,
+        compile_backend: str = "inductor",
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, compile_step=compile_step, compile_backend=compile_backend)
+
+    def _init_state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            # step lives on the parameter's device as fp32: both torch paths read it as a tensor there.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work: list[tuple[Any, ...]] = []
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            states = [self._init_state(p) for p in ps]
+            work.append((
+                ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"],
+            ))
+        if work:
+            self._run(adamw_step, work, not self.compile_step)
+        return loss

@@ -1,0 +1,109 @@
+"""Parameter routing (docs/architecture.md, "Parameter tags read by the optimizer") and the routing table.
+
+Rules, first match wins:
+  1. tag `_optim_group = "muon"` -> Muon (must be ndim >= 2); `"adamw"` -> AdamW
+  2. under `tok_embed` / `ngram_embed` -> AdamW "embed"; under `lm_head` / `mtp` -> AdamW "head"
+  3. ndim < 2 -> AdamW "other"
+  4. ndim >= 2 under `blocks.<i>.mixer` or `blocks.<i>.engram` -> Muon
+  5. anything else -> error naming the parameter
+Muon groups are split by lr scaling mode (tag `_muon_lr_scaling`, else expert_lr_scaling for stacked
+(E, A, B) weights, else muon_lr_scaling) because each mode has its own base lr.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from megacpp.optim.config import LR_SCALINGS, OptimConfig
+from megacpp.optim.muon import second_moment_shape
+
+_HIDDEN = re.compile(r"blocks\.\d+\.(mixer|engram)\.")
+_EMBED = ("tok_embed", "ngram_embed")
+_HEAD = ("lm_head", "mtp")
+# Path components added by wrappers (torch.compile, DDP, activation checkpointing); not model names.
+_WRAPPERS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
+
+
+@dataclass(eq=False)
+class Route:
+    name: str  # the model's own name, wrapper components removed
+    param: nn.Parameter
+    group: str  # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other"
+
+    @property
+    def optimizer(self) -> str:
+        return self.group.split(":", 1)[0]
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig) -> str:
+    """The group of one parameter; raises ValueError naming it when no rule fits."""
+    tag = getattr(param, "_optim_group", None)
+    if tag not in (None, "muon", "adamw"):
+        raise ValueError(f"parameter {name!r}: _optim_group={tag!r}, expected 'muon' or 'adamw'")
+    top = name.split(".", 1)[0]
+    hidden = param.ndim >= 2 and _HIDDEN.match(name) is not None
+    if tag == "muon" and param.ndim < 2:
+        raise ValueError(f"parameter {name!r} is tagged _optim_group='muon' but is {param.ndim}-D")
+    if tag == "muon" or (tag is None and hidden):
+        if not cfg.use_muon:
+            return "adamw:hidden"
+        default = cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling
+        mode = getattr(param, "_muon_lr_scaling", None) or default
+        if mode not in LR_SCALINGS:
+            raise ValueError(f"parameter {name!r}: _muon_lr_scaling={mode!r}, expected one of {LR_SCALINGS}")
+        return f"muon:{mode}"
+    if top in _EMBED:
+        return "adamw:embed"
+    if top in _HEAD:
+        return "adamw:head"
+    if tag == "adamw" or param.ndim < 2:
+        return "adamw:other"
+    raise ValueError(
+        f"parameter {name!r} (shape {tuple(param.shape)}) fits no routing rule: a >= 2-D parameter outside "
+        "blocks.<i>.mixer / blocks.<i>.engram / tok_embed / ngram_embed / lm_head / mtp needs an "
+        "_optim_group tag"
+    )
+
+
+def route_parameters(model: nn.Module, cfg: OptimConfig) -> list[Route]:
+    """Route every trainable parameter of `model` (each exactly once; shared parameters count once)."""
+    routes = []
+    for raw_name, param in model.named_parameters():
+        if param.requires_grad:
+            name = canonical_name(raw_name)
+            routes.append(Route(name, param, route_parameter(name, param, cfg)))
+    return routes
+
+
+def state_bytes(route: Route, cfg: OptimConfig) -> int:
+    """Optimizer state bytes of one parameter in its group."""
+    p = route.param
+    if route.optimizer == "muon":
+        momentum = p.numel() * (2 if cfg.momentum_dtype == "bfloat16" else 4)
+        factored = 4 * math.prod(second_moment_shape(p.shape)) if cfg.variance_reduction else 0
+        return momentum + factored
+    return 2 * p.numel() * p.element_size() + 4  # exp_avg, exp_avg_sq in the param dtype + fp32 step
+
+
+def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
+    rows: dict[str, list[int]] = {}
+    for r in routes:
+        row = rows.setdefault(r.group, [0, 0, 0])
+        row[0] += 1
+        row[1] += r.param.numel()
+        row[2] += state_bytes(r, cfg)
+    total = [sum(col) for col in zip(*rows.values(), strict=True)] if rows else [0, 0, 0]
+    lines = [f"{'group':<24}{'tensors':>8}{'params':>14}{'state bytes':>14}"]
+    for group in sorted(rows):
+        count, numel, nbytes = rows[group]
+        lines.append(f"{group:<24}{count:>8}{numel:>14,}{nbytes:>14,}")
+    lines.append(f"{'total':<24}{total[0]:>8}{total[1]:>14,}{total[2]:>14,}")
+    return "\n".join(lines)
+

@@ -1,0 +1,77 @@
+"""Base class for optimizers whose hyperparameters are 0-D tensors and whose step may be compiled.
+
+Dynamo bakes Python floats into a graph as constants, so a compiled step that reads lr as a float
+recompiles whenever the schedule moves it. Holding lr (and the other scheduled values) as 0-D
+tensors on the parameters' device, and writing new values into them in place, keeps the compiled
+graph's inputs unchanged: no recompile, no host sync.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class TensorHParamOptimizer(Optimizer):
+    """Optimizer whose group keys in TENSOR_HPARAMS are 0-D tensors of HPARAM_DTYPE on the group's
+    device; `base_lr` keeps the float lr.
+
+    Subclasses implement `step` by gathering tensors and handing them to a pure update function
+    through `_run`, which calls it eagerly or through one `torch.compile(fullgraph=True)` graph.
+    """
+
+    TENSOR_HPARAMS: ClassVar[tuple[str, ...]] = ("lr", "weight_decay")
+    HPARAM_DTYPE: ClassVar[torch.dtype] = torch.float32
+
+    def __init__(
+        self, params: Any, defaults: dict[str, Any], *, compile_step: bool, compile_backend: str
+    ) -> None:
+        self.compile_step = compile_step
+        self.compile_backend = compile_backend
+        self._compiled: Callable[..., None] | None = None
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        group.setdefault("base_lr", float(group["lr"]))
+        for key in self.TENSOR_HPARAMS:
+            # A fresh tensor per group: the defaults dict must never hand one tensor to two groups.
+            group[key] = torch.tensor(float(group[key]), dtype=self.HPARAM_DTYPE, device=device)
+
+    def set_hparam(self, key: str, value: float, group_index: int | None = None) -> None:
+        """Write `value` into the 0-D tensor `key` of one group (or of every group), in place."""
+        if key not in self.TENSOR_HPARAMS:
+            raise KeyError(f"{key!r} is not a tensor hyperparameter of {type(self).__name__}")
+        groups = self.param_groups if group_index is None else [self.param_groups[group_index]]
+        for group in groups:
+            group[key].fill_(value)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch's loader replaces each group dict; copy the loaded values into the existing tensors
+        # so that their identity and device survive (the schedule and a compiled step hold them).
+        kept = [{key: group[key] for key in self.TENSOR_HPARAMS} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, tensors in zip(self.param_groups, kept, strict=True):
+            for key, tensor in tensors.items():
+                tensor.copy_(torch.as_tensor(group[key]))
+                group[key] = tensor
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    self._restore_state(p, group, self.state[p])
+
+    def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Undo torch's load-time casts (every floating state tensor to the param's dtype)."""
+
+    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+        if not self.compile_step:
+            fn(*args)
+            return
+        if self._compiled is None:
+            self._compiled = torch.compile(fn, fullgraph=True, backend=self.compile_backend)
+        self._compiled(*args)

@@ -1,0 +1,103 @@
+"""Orthogonalization of update matrices: Polar Express (default) or the classic quintic iteration.
+
+Both are odd matrix polynomials X <- a X + (b A + c A^2) X with A = X X^T, run in bf16 on the short
+side of each matrix. They map a matrix U S V^T to roughly U V^T without an SVD.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+Coefficients = tuple[tuple[float, float, float], ...]
+
+# Polar Express tuples for 5 iterations (safety factor 0.02, cushion 0.02). Each is the optimal odd
+# quintic for the singular-value interval the previous one leaves behind.
+POLAR_EXPRESS: Coefficients = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# The classic Newton-Schulz quintic (maximal slope at zero), the same tuple every iteration.
+QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+NORMALIZATIONS = ("polar_express", "torch")
+
+
+def coefficient_schedule(
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]], steps: int
+) -> Coefficients:
+    """Per-iteration (a, b, c) tuples for `steps` iterations.
+
+    "polar_express" repeats its last tuple beyond 5 iterations (that tuple is tuned for an interval
+    already close to 1); "quintic" or one explicit (a, b, c) is used for every iteration; an explicit
+    sequence of tuples is used as given and must be at least `steps` long.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if coefficients == "polar_express":
+        return POLAR_EXPRESS[:steps] + (POLAR_EXPRESS[-1],) * max(0, steps - len(POLAR_EXPRESS))
+    if coefficients == "quintic":
+        return (QUINTIC,) * steps
+    if isinstance(coefficients, str):
+        raise ValueError(f"unknown coefficient set {coefficients!r}; expected polar_express or quintic")
+    seq = list(coefficients)
+    if len(seq) == 3 and all(isinstance(v, (int, float)) for v in seq):
+        a, b, c = (float(v) for v in seq)
+        return ((a, b, c),) * steps
+    tuples = tuple((float(a), float(b), float(c)) for a, b, c in seq)
+    if len(tuples) < steps:
+        raise ValueError(f"{len(tuples)} coefficient tuples given for {steps} steps")
+    return tuples[:steps]
+
+
+def orthogonalize(
+    G: Tensor,
+    steps: int = 5,
+    split_sizes: Sequence[int] | None = None,
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
+    *,
+    normalization: str = "polar_express",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Approximate U V^T of G = U S V^T for a matrix or a stack of matrices (..., A, B); returns bf16.
+
+    normalization: "polar_express" divides by 1.02 * ||X||_F + eps (the safety factor keeps every
+    singular value inside the interval the coefficients were computed for); "torch" divides by
+    max(||X||_F, eps), torch.optim.Muon's rule. Norms are per matrix, over the last two dims.
+    split_sizes: split along the output dim (-2), orthogonalize each slice on its own, concatenate.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalize needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
+    schedule = coefficient_schedule(coefficients, steps)
+    if split_sizes is None:
+        return _orthogonalize(G, schedule, normalization, eps)
+    if sum(split_sizes) != G.shape[-2]:
+        raise ValueError(f"split_sizes {tuple(split_sizes)} do not sum to {G.shape[-2]} rows")
+    parts = torch.split(G, list(split_sizes), dim=-2)
+    return torch.cat([_orthogonalize(p, schedule, normalization, eps) for p in parts], dim=-2)
+
+
+def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: float) -> Tensor:
+    batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
+    X = G.to(torch.bfloat16).reshape(-1, rows, cols)
+    tall = rows > cols
+    if tall:  # work on the short side: the Gram matrix is min(A, B)^2
+        X = X.mT
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    if normalization == "polar_express":
+        X = X / (norm * 1.02 + eps)
+    else:
+        X = X / norm.clamp_min(eps)
+    for a, b, c in schedule:
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    if tall:
+        X = X.mT
+    return X.reshape(*batch_shape, rows, cols)

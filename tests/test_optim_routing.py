@@ -1,0 +1,110 @@
+"""Parameter routing of a stand-in tiny hybrid, tags, errors, and the routing table."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megacpp.optim import OptimConfig, build_optimizers, route_parameters
+from tests.test_optim_standins import TinyHybrid
+
+
+def _groups(model: nn.Module, cfg: OptimConfig | None = None) -> dict[str, str]:
+    return {r.name: r.group for r in route_parameters(model, cfg or OptimConfig())}
+
+
+def test_tier1_every_parameter_routed_exactly_once() -> None:
+    model = TinyHybrid()
+    stack = build_optimizers(model, OptimConfig(), log=None)
+    in_groups = [id(p) for opt in stack.optimizers for g in opt.param_groups for p in g["params"]]
+    assert sorted(in_groups) == sorted(id(p) for p in model.parameters())
+    assert len(set(in_groups)) == len(in_groups)
+
+
+def test_tier1_tiny_hybrid_routes() -> None:
+    groups = _groups(TinyHybrid())
+    expected = {
+        "tok_embed.weight": "adamw:embed",
+        "ngram_embed.weight": "adamw:embed",
+        "lm_head.weight": "adamw:head",
+        "mtp.0.weight": "adamw:head",
+        "norm_f.weight": "adamw:other",
+        "blocks.0.norm.weight": "adamw:other",
+        "blocks.0.mixer.qkv.weight": "muon:original",
+        "blocks.0.mixer.out.weight": "muon:original",
+        "blocks.1.mixer.in_proj.weight": "muon:original",
+        "blocks.1.mixer.decay": "adamw:other",  # 1-D
+        "blocks.1.mixer.bc_bias": "adamw:other",  # 2-D, tagged _optim_group="adamw"
+        "blocks.1.engram.0.weight": "muon:original",
+        "blocks.2.mixer.gate.weight": "adamw:other",  # router gate, tagged
+        "blocks.2.mixer.w_up": "muon:match_rms_adamw",  # stacked experts
+        "blocks.2.mixer.w_down": "muon:match_rms_adamw",
+        "blocks.3.mixer.fc_in.weight": "muon:original",
+        "blocks.3.mixer.fc_out.bias": "adamw:other",
+    }
+    for name, group in expected.items():
+        assert groups[name] == group, name
+
+
+def test_tier1_stacked_default_scaling_and_tag_override() -> None:
+    model = TinyHybrid()
+    del model.blocks[2].mixer.w_up._muon_lr_scaling  # untagged stacked weight: expert_lr_scaling default
+    model.blocks[3].mixer.fc_in.weight._muon_lr_scaling = "match_rms_adamw"
+    cfg = OptimConfig(expert_lr_scaling="original", muon_lr_scaling="original")
+    groups = _groups(model, cfg)
+    assert groups["blocks.2.mixer.w_up"] == "muon:original"
+    assert groups["blocks.2.mixer.w_down"] == "muon:match_rms_adamw"
+    assert groups["blocks.3.mixer.fc_in.weight"] == "muon:match_rms_adamw"
+
+
+def test_tier1_muon_tag_forces_muon_and_rejects_vectors() -> None:
+    model = TinyHybrid()
+    model.lm_head.weight._optim_group = "muon"
+    assert _groups(model)["lm_head.weight"] == "muon:original"
+    model.norm_f.weight._optim_group = "muon"
+    with pytest.raises(ValueError, match="norm_f.weight"):
+        _groups(model)
+
+
+def test_tier1_unroutable_parameter_errors_naming_it() -> None:
+    model = TinyHybrid()
+    model.blocks[0].register_parameter("stray", nn.Parameter(torch.zeros(4, 4)))
+    with pytest.raises(ValueError, match=r"blocks\.0\.stray"):
+        build_optimizers(model, OptimConfig(), log=None)
+    model.blocks[0].stray._optim_group = "adamw"
+    assert _groups(model)["blocks.0.stray"] == "adamw:other"
+
+
+def test_tier1_wrapper_prefixes_are_ignored() -> None:
+    wrapped = torch.compile(TinyHybrid(), backend="eager")  # names gain "_orig_mod."
+    groups = _groups(wrapped)
+    assert groups["tok_embed.weight"] == "adamw:embed"
+    assert groups["blocks.0.mixer.qkv.weight"] == "muon:original"
+
+
+def test_tier1_adamw_only_mode() -> None:
+    stack = build_optimizers(TinyHybrid(), OptimConfig(use_muon=False), log=None)
+    assert stack.muon is None
+    names = {g["name"] for g in stack.adamw.param_groups}
+    assert "adamw:hidden" in names and not any(n.startswith("muon") for n in names)
+
+
+def test_tier1_group_learning_rates() -> None:
+    cfg = OptimConfig(muon_lr=0.03, adamw_lr=2e-3, embed_lr=0.1, head_lr=4e-3)
+    stack = build_optimizers(TinyHybrid(), cfg, log=None)
+    base = {g["name"]: g["base_lr"] for opt in stack.optimizers for g in opt.param_groups}
+    assert base == {"muon:original": 0.03, "muon:match_rms_adamw": 2e-3, "adamw:embed": 0.1,
+                    "adamw:head": 4e-3, "adamw:other": 2e-3}
+
+
+def test_tier1_routing_table_printed_with_counts_and_state_bytes() -> None:
+    model = TinyHybrid()
+    lines: list[str] = []
+    stack = build_optimizers(model, OptimConfig(), log=lines.append)
+    assert lines == [stack.routing_table]
+    rows = {line.split()[0]: line.split()[1:] for line in stack.routing_table.splitlines()[1:]}
+    n_params = sum(p.numel() for p in model.parameters())
+    assert rows["total"][:2] == [str(len(list(model.parameters()))), f"{n_params:,}"]
+    up, down = model.blocks[2].mixer.w_up, model.blocks[2].mixer.w_down
+    expert_state = 2 * (up.numel() + down.numel()) + 4 * (3 * 64 + 3 * 64)  # bf16 momentum + factored VR
+    assert rows["muon:match_rms_adamw"] == ["2", f"{up.numel() + down.numel():,}", f"{expert_state:,}"]
