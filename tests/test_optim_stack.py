@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megacpp.optim import OptimConfig, OptimizerStack, WarmupStableDecay, build_optimizers
+from megacpp.optim import OptimConfig, OptimizerStack, WarmupStableDecay, build_optimizers, find_attention_modules
 from tests.test_optim_standins import TinyHybrid, batch
 
 TAU = 100.0
@@ -33,9 +33,16 @@ def _train(model: TinyHybrid, stack: OptimizerStack, steps: int, first_batch: in
         stack.step()
 
 
+
+def _with_clip(model, mode: str, tau: float = TAU):
+    """QK-clip is configured on the attention modules (model.attention.qk_clip in a real model)."""
+    for attn in find_attention_modules(model):
+        attn.qk_clip, attn.qk_clip_tau = mode, tau
+    return model
+
 def test_tier1_step_order_is_optimizers_then_clip_then_scheduler() -> None:
-    model = _model()
-    cfg = OptimConfig(qk_clip="weight", warmup_steps=3, decay_steps=4)
+    model = _with_clip(_model(), "weight")
+    cfg = OptimConfig(warmup_steps=3, decay_steps=4)
     stack = build_optimizers(model, cfg, total_steps=10, log=None)
     calls: list[tuple[str, float]] = []
 
@@ -83,8 +90,8 @@ def test_tier1_schedule_from_config_fractions_and_errors() -> None:
 
 def test_tier3_clip_after_step_bounds_exploding_head() -> None:
     # Tolerance: the recomputed bound may exceed tau by fp32 rounding, 1e-5 relative.
-    model = _model(explode_head=1)
-    stack = build_optimizers(model, OptimConfig(qk_clip="weight", qk_clip_tau=TAU), log=None)
+    model = _with_clip(_model(explode_head=1), "weight")
+    stack = build_optimizers(model, OptimConfig(), log=None)
     idx, tgt = batch(seed=0)
     stack.zero_grad()
     model(idx, tgt).backward()
@@ -103,8 +110,8 @@ def test_tier3_clip_after_step_bounds_exploding_head() -> None:
 def test_tier2_clip_leaves_other_kv_group_as_unclipped_twin() -> None:
     runs = {}
     for mode in ("weight", "off"):
-        model = _model(explode_head=1)
-        stack = build_optimizers(model, OptimConfig(qk_clip=mode, qk_clip_tau=TAU), log=None)
+        model = _with_clip(_model(explode_head=1), mode)
+        stack = build_optimizers(model, OptimConfig(), log=None)
         _train(model, stack, steps=1)
         runs[mode] = model.blocks[0].mixer.qkv.weight.detach()
     clipped, twin = runs["weight"], runs["off"]
@@ -130,8 +137,8 @@ def test_tier3_grad_clip_norm() -> None:
 
 
 def test_tier1_resume_is_bitwise() -> None:
-    cfg = OptimConfig(qk_clip="weight", qk_clip_tau=TAU, weight_decay=0.05, warmup_steps=2, decay_steps=3)
-    model = _model(explode_head=2)
+    cfg = OptimConfig(weight_decay=0.05, warmup_steps=2, decay_steps=3)
+    model = _with_clip(_model(explode_head=2), "weight")
     stack = build_optimizers(model, cfg, total_steps=8, log=None)
     _train(model, stack, steps=3)
     saved_model = copy.deepcopy(model.state_dict())
@@ -141,7 +148,7 @@ def test_tier1_resume_is_bitwise() -> None:
     saved_stack = torch.load(buffer, weights_only=True)
     _train(model, stack, steps=4, first_batch=3)
 
-    model2 = _model(seed=1)  # different init: everything must come from the checkpoint
+    model2 = _with_clip(_model(seed=1), "weight")  # different init: everything must come from the checkpoint
     model2.load_state_dict(saved_model)
     stack2 = build_optimizers(model2, cfg, total_steps=8, log=None)
     stack2.load_state_dict(saved_stack)
@@ -152,3 +159,10 @@ def test_tier1_resume_is_bitwise() -> None:
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert stack.muon.param_groups[0]["lr"].item() == stack2.muon.param_groups[0]["lr"].item()
+
+
+def test_schedule_without_decay_steps_stays_stable_to_the_end() -> None:
+    """decay_frac 0.2 of a 2-step run rounds to 0 decay steps: no division by zero, multiplier 1."""
+    sched = WarmupStableDecay.from_config(OptimConfig(decay_frac=0.2), total_steps=2)
+    assert sched.decay_steps == 0
+    assert [sched.multiplier(step) for step in range(4)] == [1.0, 1.0, 1.0, 1.0]

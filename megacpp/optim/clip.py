@@ -75,6 +75,20 @@ class MuonClip:
         self.n_total = sum(int(m.n_heads) for m in modules)
         self.metrics: dict[str, Tensor] = {}
 
+    @classmethod
+    def for_model(cls, model: nn.Module) -> MuonClip | None:
+        """The clip the model's attention asks for: QK-clip is configured on the attention modules
+        (``model.attention.qk_clip`` / ``qk_clip_tau``, exposed as ``qk_clip`` / ``qk_clip_tau``), since
+        its activation mode and the bound recording live in their forward. None when all are off."""
+        modules = [m for m in find_attention_modules(model) if getattr(m, "qk_clip", "off") != "off"]
+        if not modules:
+            return None
+        settings = {(m.qk_clip, float(m.qk_clip_tau)) for m in modules}
+        if len(settings) > 1:
+            raise ValueError(f"attention modules disagree on QK-clip settings: {sorted(settings)}")
+        (mode, tau), = settings
+        return cls(modules, tau=tau, mode=mode)
+
     @torch.no_grad()
     def apply(self) -> dict[str, Tensor]:
         maxima, counts = [], []

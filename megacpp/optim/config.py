@@ -6,7 +6,6 @@ from dataclasses import dataclass
 LR_SCALINGS = ("original", "match_rms_adamw")
 COEFFICIENT_SETS = ("polar_express", "quintic")
 MOMENTUM_DTYPES = ("bfloat16", "float32")
-QK_CLIP_MODES = ("off", "weight", "activation")
 DECAY_SHAPES = ("linear", "cosine")
 
 
@@ -48,10 +47,6 @@ class OptimConfig:
     decay_shape: str = "linear"  # linear | cosine
     final_lr_frac: float = 0.0
 
-    # MuonClip / QK-clip
-    qk_clip: str = "off"  # off | weight | activation (activation clipping happens in the forward)
-    qk_clip_tau: float = 100.0
-
     # Step execution
     compile_step: bool = False  # compile each optimizer's whole step into one graph (opt-in)
     compile_backend: str = "inductor"
@@ -62,15 +57,12 @@ class OptimConfig:
         _check_choice("expert_lr_scaling", self.expert_lr_scaling, LR_SCALINGS)
         _check_choice("ns_coefficients", self.ns_coefficients, COEFFICIENT_SETS)
         _check_choice("momentum_dtype", self.momentum_dtype, MOMENTUM_DTYPES)
-        _check_choice("qk_clip", self.qk_clip, QK_CLIP_MODES)
         _check_choice("decay_shape", self.decay_shape, DECAY_SHAPES)
         if self.ns_steps < 1:
             raise ValueError(f"ns_steps must be >= 1, got {self.ns_steps}")
         for name in ("warmup_frac", "decay_frac", "final_lr_frac"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        if self.qk_clip_tau <= 0:
-            raise ValueError(f"qk_clip_tau must be > 0, got {self.qk_clip_tau}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

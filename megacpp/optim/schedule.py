@@ -50,7 +50,8 @@ class WarmupStableDecay:
         """Warmup (step + 1) / warmup; stable 1; decay from 1 at its first step toward final_frac."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        if self.total_steps is None or step < self.total_steps - self.decay_steps:
+        # No decay phase (e.g. decay_frac of a very short run rounds to 0 steps): stable to the end.
+        if self.total_steps is None or self.decay_steps == 0 or step < self.total_steps - self.decay_steps:
             return 1.0
         left = max(0.0, (self.total_steps - step) / self.decay_steps)  # 1 at the decay start, 0 at the end
         if self.shape == "cosine":

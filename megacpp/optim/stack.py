@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from megacpp.optim.adamw import AdamW
-from megacpp.optim.clip import MuonClip, find_attention_modules
+from megacpp.optim.clip import MuonClip
 from megacpp.optim.config import OptimConfig
 from megacpp.optim.groups import Route, format_routing_table, route_parameters
 from megacpp.optim.hparams import TensorHParamOptimizer
@@ -127,9 +127,7 @@ def build_optimizers(
     optimizers = [opt for opt in (muon, adamw) if opt is not None]
     scheduler = LRScheduler(optimizers, WarmupStableDecay.from_config(cfg, total_steps))
 
-    clip = None
-    if cfg.qk_clip != "off":
-        clip = MuonClip(find_attention_modules(model), tau=cfg.qk_clip_tau, mode=cfg.qk_clip)
+    clip = MuonClip.for_model(model)
     table = format_routing_table(routes, cfg)
     if log is not None:
         log(table)
