@@ -1,7 +1,25 @@
-"""A block mixer: grouped-query attention (stub: config only, implementation pending)."""
+"""A block mixer: grouped-query causal attention with RoPE, QK-norm, document masking and a KV cache.
+
+Two attention kernels share one signature ``(q, k, v, doc_ids, softcap) -> out``:
+``attend_sdpa`` (SDPA; explicit softmax when a logit soft-cap is on) and ``attend_flex``
+(FlexAttention with a document block mask and a soft-cap score_mod). q is (b, H, t, hd); k and v are
+(b, Hkv, t, hd) with H a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from megacpp.model.rope import apply_rope, document_index, positions_in_document, rope_table
+
+QK_CLIP_MODES = ("off", "weight", "activation")
+BACKENDS = ("auto", "sdpa", "flex")
+QK_NORM_EPS = 1e-6  # fixed so bf16 inputs do not get finfo(bf16).eps = 7.8e-3 added to mean(x^2)
 
 
 @dataclass
@@ -10,8 +28,202 @@ class AttentionConfig:
     n_kv_heads: int = 2
     head_dim: int = 32
     rope_theta: float = 10000.0
+    max_seq_len: int = 8192  # rows of the RoPE tables: longest training sequence or decode cache
     qk_norm: bool = True
     softcap: float = 0.0  # 0 = off; else logits -> softcap * tanh(logits / softcap)
     qk_clip: str = "off"  # off | weight | activation
     qk_clip_tau: float = 100.0
-    backend: str = "auto"  # auto | sdpa | flex
+    backend: str = "auto"  # auto | sdpa | flex (flex applies on CUDA; CPU always uses SDPA)
+
+
+def causal_document_mask(doc_ids: Tensor | None, t: int, device: torch.device) -> Tensor:
+    """Boolean keep-mask (b or 1, 1, t, t): causal, and within one document when doc_ids is given."""
+    idx = torch.arange(t, device=device)
+    mask = (idx[:, None] >= idx[None, :])[None, None]
+    if doc_ids is None:
+        return mask
+    docs = document_index(doc_ids)
+    return mask & (docs[:, None, :, None] == docs[:, None, None, :])
+
+
+def _attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
+    """Softmax attention with fp32 scores; the path for soft-capped logits, which SDPA cannot do."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return probs.to(v.dtype) @ v
+
+
+def attend_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
+    """Attention under an explicit boolean keep-mask broadcastable to (b, H, tq, tk)."""
+    if softcap > 0:
+        return _attend_explicit(q, k, v, mask, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, softcap: float = 0.0
+) -> Tensor:
+    """Causal (document-masked) attention through SDPA; the mask-free causal case keeps flash kernels."""
+    if doc_ids is None and softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return attend_masked(q, k, v, causal_document_mask(doc_ids, q.shape[2], q.device), softcap)
+
+
+def _causal_mask_mod(docs: Tensor | None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    if docs is None:
+        return lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+
+def attend_flex(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, softcap: float = 0.0
+) -> Tensor:
+    """Causal (document-masked) attention through FlexAttention; same contract as attend_sdpa."""
+    b, _, t, _ = q.shape
+    docs = None if doc_ids is None else document_index(doc_ids)
+    block_mask = create_block_mask(
+        _causal_mask_mod(docs), B=None if docs is None else b, H=None, Q_LEN=t, KV_LEN=t, device=q.device
+    )
+    score_mod = None
+    if softcap > 0:
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return softcap * torch.tanh(score / softcap)
+    return flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention mixer (pattern symbol A)."""
+
+    def __init__(self, d_model: int, cfg: AttentionConfig, layer_idx: int) -> None:
+        super().__init__()
+        _validate(cfg)
+        self.cfg, self.layer_idx, self.d_model = cfg, layer_idx, d_model
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(d_model, q_rows + 2 * kv_rows, bias=False)
+        self.qkv.weight._qkv_split_sizes = (q_rows, kv_rows, kv_rows)  # Muon: per-slice orthogonalization
+        self.proj = nn.Linear(q_rows, d_model, bias=False)
+        half = cfg.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+        # MuonClip (megacpp.optim.clip) reads its settings from here: one owner for QK-clip.
+        self.qk_clip, self.qk_clip_tau = cfg.qk_clip, cfg.qk_clip_tau
+        if cfg.qk_clip != "off":
+            # Read by MuonClip after the step; only exists when a clip mode asks for it.
+            self.register_buffer("logit_bound", torch.zeros(cfg.n_heads), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """qkv ~ N(0, 1/d_model) so q, k, v start at unit scale; proj = 0 so the block starts as identity.
+        Also fills the RoPE tables, so a model built on the meta device initialises completely."""
+        nn.init.normal_(self.qkv.weight, std=self.d_model**-0.5)
+        nn.init.zeros_(self.proj.weight)
+        cos, sin = rope_table(self.cfg.max_seq_len, self.head_dim, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        if self.cfg.qk_clip != "off":
+            self.logit_bound.zero_()
+
+    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        b, t, _ = x.shape
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} > AttentionConfig.max_seq_len={self.cfg.max_seq_len}")
+        if doc_ids is None:
+            positions = torch.arange(t, device=x.device)[None]
+        else:
+            positions = positions_in_document(doc_ids)  # each document starts at RoPE position 0
+        q, k, v = self._project(x, positions)
+        if self.cfg.qk_clip != "off":
+            q = self._record_and_clip(q, k)
+        y = self._attend(q, k, v, doc_ids)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1)).to(x.dtype)
+
+    def init_cache(
+        self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        if max_len > self.cfg.max_seq_len:
+            raise ValueError(f"cache length {max_len} > AttentionConfig.max_seq_len={self.cfg.max_seq_len}")
+        shape = (batch_size, self.n_kv_heads, max_len, self.head_dim)
+        return {
+            "k": torch.zeros(shape, device=device, dtype=dtype),
+            "v": torch.zeros(shape, device=device, dtype=dtype),
+            "pos": torch.zeros((), device=device, dtype=torch.int64),
+        }
+
+    def forward_step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """One token per row at position cache["pos"]; writes k/v there, attends over 0..pos, advances."""
+        b = x.shape[0]
+        pos = cache["pos"]
+        q, k, v = self._project(x, pos.view(1, 1))
+        keys, values = cache["k"], cache["v"]
+        keys.index_copy_(2, pos.view(1), k.to(keys.dtype))
+        values.index_copy_(2, pos.view(1), v.to(values.dtype))
+        if self.cfg.qk_clip == "activation":
+            # Unwritten cache slots are zero, so the max key norm covers positions 0..pos only.
+            q = q * self._clip_factor(self._bound(q, keys)).to(q.dtype)
+        visible = (torch.arange(keys.shape[2], device=x.device) <= pos).view(1, 1, 1, -1)
+        y = attend_masked(q.to(keys.dtype), keys, values, visible, self.cfg.softcap)
+        cache["pos"].add_(1)
+        return self.proj(y.transpose(1, 2).reshape(b, 1, -1).to(q.dtype)).to(x.dtype)
+
+    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (b, H, t, hd), k and v (b, Hkv, t, hd); QK-norm before RoPE. Norm and RoPE run on the
+        joint q|k slice (both are per-head ops) so they compile to one kernel, not two."""
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)
+        if self.cfg.qk_norm:
+            qk = F.rms_norm(qk, (self.head_dim,), eps=QK_NORM_EPS)
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        q, k = apply_rope(qk, cos, sin).to(v.dtype).split([self.n_heads, self.n_kv_heads], dim=1)
+        return q, k, v
+
+    def _bound(self, q: Tensor, k: Tensor) -> Tensor:
+        """Per-head max_t |q_t| * max_s |k_s| / sqrt(hd) in fp32, max over batch and time (no sync)."""
+        q_max = q.float().norm(dim=-1).amax(dim=(0, 2))
+        k_max = k.float().norm(dim=-1).amax(dim=(0, 2))
+        return q_max * k_max.repeat_interleave(self.n_heads // self.n_kv_heads) * self.head_dim**-0.5
+
+    def _clip_factor(self, bound: Tensor) -> Tensor:
+        """(1, H, 1, 1) detached min(1, tau / bound); a zero bound gives inf, clamped to 1."""
+        return (self.cfg.qk_clip_tau / bound).clamp(max=1.0).detach().view(1, -1, 1, 1)
+
+    def _record_and_clip(self, q: Tensor, k: Tensor) -> Tensor:
+        bound = self._bound(q, k)
+        self.logit_bound.copy_(bound.detach())
+        if self.cfg.qk_clip == "activation":
+            q = q * self._clip_factor(bound).to(q.dtype)
+        return q
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None) -> Tensor:
+        if self._use_flex(q.device, doc_ids):
+            return attend_flex(q, k, v, doc_ids, self.cfg.softcap)
+        return attend_sdpa(q, k, v, doc_ids, self.cfg.softcap)
+
+    def _use_flex(self, device: torch.device, doc_ids: Tensor | None) -> bool:
+        """FlexAttention only on CUDA: it has no CPU backward, so CPU always takes the SDPA paths.
+        "auto" also needs a dense mask to replace and torch.compile around it (eager flex
+        materialises the full score matrix, no better than SDPA's masked kernels)."""
+        if device.type != "cuda" or self.cfg.backend == "sdpa":
+            return False
+        if self.cfg.backend == "flex":
+            return True
+        needs_mask = doc_ids is not None or self.cfg.softcap > 0
+        return needs_mask and torch.compiler.is_compiling()
+
+
+def _validate(cfg: AttentionConfig) -> None:
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
+    if cfg.qk_clip not in QK_CLIP_MODES:
+        raise ValueError(f"qk_clip={cfg.qk_clip!r} not in {QK_CLIP_MODES}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend={cfg.backend!r} not in {BACKENDS}")
