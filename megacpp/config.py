@@ -1,0 +1,239 @@
+"""Run configuration: nested dataclasses, TOML files, ``--section.key value`` overrides, presets.
+
+Every error names the offending key and where it came from (file and line, or the command line).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megacpp.compile.config import CompileConfig
+from megacpp.data.config import DataConfig
+from megacpp.model.config import ModelConfig
+from megacpp.optim.config import OptimConfig
+from megacpp.train.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or file that cannot be used."""
+
+
+# ---------------------------------------------------------------- type coercion
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else converts."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: expected {_describe(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list of {_describe(item_tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got bool {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
+def merge_dict(obj: Any, data: dict[str, Any], where: typing.Callable[[str], str], prefix: str = "") -> None:
+    """Recursively assign ``data`` onto the dataclass ``obj`` with type checks."""
+    hints = _field_types(type(obj))
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            raise _unknown_key(dotted, list(hints), where(dotted))
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where(dotted)}: {dotted!r} is a section, got {value!r}")
+            merge_dict(current, value, where, f"{dotted}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], f"{where(dotted)}: {dotted!r}"))
+
+
+# ---------------------------------------------------------------- TOML files
+
+
+def _key_line(text: str, dotted: str) -> int | None:
+    """Best-effort line number of ``dotted`` in a TOML text (tomllib keeps no positions)."""
+    *sections, key = dotted.split(".")
+    section = ".".join(sections)
+    current = ""
+    pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+    for lineno, line in enumerate(text.splitlines(), 1):
+        header = re.match(r"^\s*\[([^\]]+)\]", line)
+        if header:
+            current = header.group(1).strip()
+        elif current == section and pattern.match(line):
+            return lineno
+    return None
+
+
+def load_toml(path: str | Path, base: Config | None = None) -> Config:
+    """Load a TOML config file; ``preset = "name"`` at the top selects the starting preset."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+    def where(dotted: str) -> str:
+        line = _key_line(text, dotted)
+        return f"{path}:{line}" if line else str(path)
+
+    preset_name = data.pop("preset", None)
+    if preset_name is not None:
+        if not isinstance(preset_name, str):
+            raise ConfigError(f"{where('preset')}: 'preset' expects a preset name, got {preset_name!r}")
+        from megacpp.presets import preset  # presets are built from Config: import late
+
+        cfg = preset(preset_name)
+    else:
+        cfg = copy.deepcopy(base) if base is not None else Config()
+    merge_dict(cfg, data, where)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    cfg = Config()
+    merge_dict(cfg, data, lambda _key: source)
+    return cfg
+
+
+def dump_toml(cfg: Any) -> str:
+    """Serialise a config as TOML (None values are omitted: TOML has no null)."""
+    lines: list[str] = []
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    def emit(obj: dict[str, Any], section: str) -> None:
+        scalars = {k: v for k, v in obj.items() if not isinstance(v, dict) and v is not None}
+        if section and scalars:
+            lines.append(f"\n[{section}]")
+        for k, v in scalars.items():
+            lines.append(f"{k} = {fmt(v)}")
+        for k, v in obj.items():
+            if isinstance(v, dict):
+                emit(v, f"{section}.{k}" if section else k)
+
+    emit(to_dict(cfg), "")
+    return "\n".join(lines).lstrip() + "\n"
+
+
+# ---------------------------------------------------------------- command-line overrides
+
+
+def _parse_cli_value(raw: str, tp: Any, where: str) -> Any:
+    """Parse a command-line string for a field of type ``tp`` (TOML syntax for lists)."""
+    origin = typing.get_origin(tp)
+    options = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    if raw.lower() in ("none", "null") and type(None) in options:
+        return None
+    concrete = [o for o in options if o is not type(None)]
+    target = concrete[0] if len(concrete) == 1 else tp
+    if target is bool:
+        lowered = raw.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {raw!r}")
+    if target is str:
+        return raw
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if typing.get_origin(target) in (list, tuple):
+            value = [s.strip() for s in raw.split(",") if s.strip()]
+            item_tp = (typing.get_args(target) or (str,))[0]
+            value = [_parse_cli_value(v, item_tp, where) for v in value]
+        else:
+            value = raw
+    return _coerce(value, tp, where)
+
+
+def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
+    """Apply ``[("model.depth", "8"), ...]``; unknown keys and wrong types raise ConfigError."""
+    cfg = copy.deepcopy(cfg)
+    for dotted, raw in overrides:
+        where = f"command line --{dotted}"
+        *path, key = dotted.split(".")
+        obj: Any = cfg
+        for i, part in enumerate(path):
+            hints = _field_types(type(obj))
+            if part not in hints or not dataclasses.is_dataclass(getattr(obj, part)):
+                raise _unknown_key(".".join(path[: i + 1]), list(hints), where)
+            obj = getattr(obj, part)
+        hints = _field_types(type(obj))
+        if key not in hints or dataclasses.is_dataclass(getattr(obj, key)):
+            raise _unknown_key(dotted, [k for k in hints if not dataclasses.is_dataclass(getattr(obj, k))], where)
+        setattr(obj, key, _parse_cli_value(raw, hints[key], where))
+    return cfg

@@ -1,0 +1,185 @@
+"""HybridLM: token (+ n-gram hash) embeddings, a pattern of residual sublayers, norm, head, MTP heads.
+
+Initialisation, per parameter kind:
+- token embedding: normal(0, 1) (every sublayer pre-normalises, so the residual stream's scale is free);
+- LM head: normal(0, 0.001), nanochat's choice, so the first logits are near uniform;
+- norms: ones; MTP projections and every mixer's output projection: zeros, so each residual branch
+  starts as the identity and depth does not blow up the initial activations;
+- mixers: their own ``reset_parameters`` (documented in each module).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megacpp.model.attention import Attention
+from megacpp.model.config import ModelConfig
+from megacpp.model.engram import Engram, NgramHashEmbedding
+from megacpp.model.ffn import FFN
+from megacpp.model.m2rnn import M2RNN
+from megacpp.model.mamba3 import Mamba3
+from megacpp.model.moe import MoE
+from megacpp.model.pattern import expand_pattern
+
+IGNORE_INDEX = -1
+
+# pattern symbol -> (mixer class, name of its sub-config in ModelConfig)
+MIXERS: dict[str, tuple[type[nn.Module], str]] = {
+    "A": (Attention, "attention"),
+    "M": (Mamba3, "mamba"),
+    "R": (M2RNN, "rnn"),
+    "E": (MoE, "moe"),
+    "F": (FFN, "ffn"),
+}
+
+
+class Block(nn.Module):
+    """One residual sublayer ``x + mixer(norm(x))``, plus an optional Engram branch on the same input."""
+
+    def __init__(self, kind: str, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        mixer_cls, sub = MIXERS[kind]
+        self.kind = kind
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mixer = mixer_cls(cfg.d_model, getattr(cfg, sub), layer_idx)
+        self.engram = Engram(cfg.d_model, cfg.engram, layer_idx) if layer_idx in cfg.engram.layers else None
+
+    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        h = self.norm(x)
+        out = x + self.mixer(h, doc_ids)
+        if self.engram is not None:
+            out = out + self.engram(h, doc_ids)
+        return out
+
+    def init_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> dict:
+        cache = {"mixer": self.mixer.init_cache(batch_size, max_len, device, dtype)}
+        if self.engram is not None:
+            cache["engram"] = self.engram.init_cache(batch_size, max_len, device, dtype)
+        return cache
+
+    def forward_step(self, x: Tensor, cache: dict) -> Tensor:
+        h = self.norm(x)
+        out = x + self.mixer.forward_step(h, cache["mixer"])
+        if self.engram is not None:
+            out = out + self.engram.forward_step(h, cache["engram"])
+        return out
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction: ``h_k = h_{k-1} + proj(norm(h_{k-1}))`` read out by the shared LM head."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.proj(self.norm(h))
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layout = expand_pattern(cfg.pattern, cfg.depth)
+        self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.ngram_embed = (
+            NgramHashEmbedding(cfg.vocab_size, cfg.d_model, cfg.engram) if cfg.engram.ngram_hash else None
+        )
+        self.blocks = nn.ModuleList(Block(kind, cfg, i) for i, kind in enumerate(self.layout))
+        self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPHead(cfg.d_model, cfg.norm_eps) for _ in range(cfg.mtp_depth))
+        self._init_own_parameters()
+
+    def _init_own_parameters(self) -> None:
+        nn.init.normal_(self.tok_embed.weight, mean=0.0, std=1.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for head in self.mtp:
+            nn.init.zeros_(head.proj.weight)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise everything (e.g. after building on the meta device and ``to_empty``).
+        Construction already initialises: each mixer initialises itself when built."""
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+        for block in self.blocks:
+            block.mixer.reset_parameters()
+            if block.engram is not None:
+                block.engram.reset_parameters()
+        if self.ngram_embed is not None:
+            self.ngram_embed.reset_parameters()
+        self._init_own_parameters()
+
+    # ------------------------------------------------------------------ training forward
+
+    def embed(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        x = self.tok_embed(idx)
+        if self.ngram_embed is not None:
+            x = x + self.ngram_embed(idx, doc_ids)
+        return x
+
+    def logits(self, h: Tensor) -> Tensor:
+        logits = self.lm_head(self.norm_f(h)).float()
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
+
+    def hidden(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        x = self.embed(idx, doc_ids)
+        for block in self.blocks:
+            x = block(x, doc_ids)
+        return x
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """Logits (b, t, V) in fp32, or the mean next-token loss (plus weighted MTP loss) with targets.
+
+        Targets equal to -1 are ignored.
+        """
+        h = self.hidden(idx, doc_ids)
+        logits = self.logits(h)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        if len(self.mtp) > 0:
+            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, doc_ids)
+        return loss
+
+    def _mtp_loss(self, h: Tensor, targets: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """Head k (1-based) at position t predicts targets[t + k]; never across a document boundary."""
+        losses = []
+        for k, head in enumerate(self.mtp, start=1):
+            h = head(h)
+            shifted = F.pad(targets[:, k:], (0, k), value=IGNORE_INDEX)
+            if doc_ids is not None:
+                same_doc = F.pad(doc_ids[:, k:] == doc_ids[:, :-k], (0, k), value=False)
+                shifted = torch.where(same_doc, shifted, torch.full_like(shifted, IGNORE_INDEX))
+            logits = self.logits(h)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX))
+        return torch.stack(losses).mean()
+
+    # ------------------------------------------------------------------ decoding
+
+    def init_cache(self, batch_size: int, max_len: int) -> dict[str, Any]:
+        """Per-layer decode caches: KV for A, (angle, H, B_prev, x_prev) for M, state for R,
+        recent tokens for Engram and the n-gram hash."""
+        ref = self.tok_embed.weight
+        cache: dict[str, Any] = {
+            "blocks": [b.init_cache(batch_size, max_len, ref.device, ref.dtype) for b in self.blocks]
+        }
+        if self.ngram_embed is not None:
+            cache["ngram"] = self.ngram_embed.init_cache(batch_size, ref.device)
+        return cache
+
+    def forward_step(self, tokens: Tensor, cache: dict[str, Any]) -> Tensor:
+        """Advance every layer's cache by one token per row: tokens (b, 1) -> logits (b, 1, V)."""
+        x = self.tok_embed(tokens)
+        if self.ngram_embed is not None:
+            x = x + self.ngram_embed.forward_step(tokens, cache["ngram"])
+        for block, block_cache in zip(self.blocks, cache["blocks"], strict=True):
+            x = block.forward_step(x, block_cache)
+        return self.logits(x)

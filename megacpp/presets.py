@@ -1,0 +1,75 @@
+"""Named presets. Each is a documented, complete configuration; README's table lists them.
+
+- ``tiny``: CPU default. Every block kind (A, E, M, F, R) plus an Engram branch and the n-gram hash
+  embedding, 128 wide, trains in minutes on 2 cores.
+- ``small``: one GPU. ``AEMEAEMEAEMR`` at width 768 over 24 sublayers: active compute per token close
+  to nanochat's d12 (12 attention + 12 MLP sublayers at width 768).
+- ``nam52``: a node of 8 GPUs. 52 sublayers of ``AEMEAEMEAEMR`` (13 A, 13 M, 22 E, 4 R) at width 2048.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megacpp.config import Config, ConfigError
+
+
+def tiny() -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.depth, m.pattern = 128, 10, "AEMFR"
+    m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 4, 2, 32
+    m.mamba.d_state, m.mamba.expand, m.mamba.head_dim = 16, 2, 32
+    m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 128
+    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 4, 32, 32
+    m.ffn.hidden = 512
+    m.engram.layers = [3]
+    m.engram.ngram_hash = True
+    cfg.data.seq_len = 256
+    cfg.train.batch_size = 16
+    cfg.train.out_dir = "runs/tiny"
+    return cfg
+
+
+def small() -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.depth, m.pattern = 768, 24, "AEMEAEMEAEMR"
+    m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 6, 2, 128
+    m.mamba.d_state, m.mamba.expand, m.mamba.head_dim = 128, 2, 64
+    # shared expert + top-2 of 16, each 1024 wide: 3 x 2 x 768 x 1024 = 4.7M active, d12's MLP size
+    m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 16, 2, 1024
+    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 6, 64, 64
+    m.ffn.hidden = 3072
+    cfg.data.seq_len = 2048
+    cfg.train.batch_size = 16
+    cfg.train.steps = 5000
+    cfg.train.out_dir = "runs/small"
+    cfg.data.vocab_size = 32768
+    return cfg
+
+
+def nam52() -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.depth, m.pattern = 2048, 52, "AEMEAEMEAEMR"
+    m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 16, 4, 128
+    m.mamba.d_state, m.mamba.expand, m.mamba.head_dim = 128, 2, 64
+    m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 64, 4, 1024
+    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 16, 64, 64
+    m.ffn.hidden = 8192
+    cfg.data.seq_len = 4096
+    cfg.train.batch_size = 4
+    cfg.train.steps = 50000
+    cfg.train.out_dir = "runs/nam52"
+    cfg.data.vocab_size = 65536
+    return cfg
+
+
+PRESETS: dict[str, Callable[[], Config]] = {"tiny": tiny, "small": small, "nam52": nam52}
+
+
+def preset(name: str) -> Config:
+    """A fresh copy of the named preset."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,71 @@
+import pytest
+
+from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
+from megacpp.presets import PRESETS, preset
+
+
+def test_cli_override_nested_and_types():
+    cfg = apply_overrides(Config(), [("model.depth", "8"), ("model.attention.qk_norm", "false"),
+                                     ("model.engram.layers", "[1, 3]"), ("train.seed", "7")])
+    assert cfg.model.depth == 8
+    assert cfg.model.attention.qk_norm is False
+    assert cfg.model.engram.layers == [1, 3]
+    assert cfg.train.seed == 7
+
+
+def test_cli_override_does_not_mutate_input():
+    base = Config()
+    apply_overrides(base, [("model.depth", "3")])
+    assert base.model.depth == Config().model.depth
+
+
+def test_cli_unknown_key_names_it_with_suggestion():
+    with pytest.raises(ConfigError, match=r"--model.dpeth.*unknown config key 'model.dpeth'.*'depth'"):
+        apply_overrides(Config(), [("model.dpeth", "8")])
+
+
+def test_cli_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"model.depth.*expected int"):
+        apply_overrides(Config(), [("model.depth", "eight")])
+
+
+def test_toml_unknown_key_names_file_and_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\ndepth = 6\nwidht = 3\n')
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert f"{path}:3" in str(err.value) and "'model.widht'" in str(err.value)
+
+
+def test_toml_wrong_type_names_file_line_and_key(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "tiny"\n\n[model.attention]\nn_heads = "four"\n')
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert f"{path}:4" in str(err.value) and "model.attention.n_heads" in str(err.value)
+    assert "expected int" in str(err.value)
+
+
+def test_toml_syntax_error_is_config_error(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_toml(path)
+
+
+def test_toml_preset_base_and_round_trip(tmp_path):
+    cfg = apply_overrides(preset("tiny"), [("model.depth", "12")])
+    path = tmp_path / "round.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_toml(path) == cfg
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="available presets: tiny, small, nam52"):
+        preset("huge")
+
+
+def test_presets_are_fresh_copies():
+    a = PRESETS["tiny"]()
+    a.model.depth = 99
+    assert preset("tiny").model.depth != 99

@@ -1,0 +1,37 @@
+import pytest
+
+from megacpp.model.pattern import PatternError, count_kinds, expand_pattern, validate_pattern
+
+
+def test_nam52_tiling_counts():
+    layout = expand_pattern("AEMEAEMEAEMR", 52)
+    assert len(layout) == 52
+    assert count_kinds(layout) == {"A": 13, "M": 13, "R": 4, "E": 22, "F": 0}
+
+
+def test_exact_multiple_and_remainder():
+    assert expand_pattern("AM", 4) == "AMAM"
+    assert expand_pattern("AMF", 5) == "AMFAM"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "position", "symbol"), [("AEXM", 2, "X"), ("aEM", 0, "a"), ("AE M", 2, " ")]
+)
+def test_unknown_symbol_names_position_and_allowed(pattern, position, symbol):
+    with pytest.raises(PatternError) as err:
+        validate_pattern(pattern)
+    msg = str(err.value)
+    assert f"position {position}" in msg and repr(symbol) in msg
+    for allowed in "AMREF":
+        assert f"{allowed} (" in msg
+
+
+def test_empty_pattern_is_an_error():
+    with pytest.raises(PatternError, match="empty"):
+        expand_pattern("", 4)
+
+
+@pytest.mark.parametrize("depth", [0, -1, 3])
+def test_depth_that_cannot_fill_the_pattern(depth):
+    with pytest.raises(PatternError, match="cannot fill"):
+        expand_pattern("AEMR", depth)
