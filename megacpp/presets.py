@@ -1,7 +1,7 @@
 """Named presets. Each is a documented, complete configuration; README's table lists them.
 
 - ``tiny``: CPU default. Every block kind (A, E, M, F, R) plus an Engram branch and the n-gram hash
-  embedding, 128 wide, trains in minutes on 2 cores.
+  embedding, 128 wide, trains in minutes on 2 cores; eager (compiling does not pay on a 2-core CPU).
 - ``small``: one GPU. ``AEMEAEMEAEMR`` at width 768 over 24 sublayers: active compute per token close
   to nanochat's d12 (12 attention + 12 MLP sublayers at width 768).
 - ``nam52``: a node of 8 GPUs. 52 sublayers of ``AEMEAEMEAEMR`` (13 A, 13 M, 22 E, 4 R) at width 2048.
@@ -26,7 +26,10 @@ def tiny() -> Config:
     m.engram.ngram_hash = True
     cfg.data.seq_len = 256
     cfg.train.batch_size = 16
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 250, 50, 125
     cfg.train.out_dir = "runs/tiny"
+    # On a 2-core CPU a cold Inductor compile costs ~45 s and buys ~5% step time (BENCHMARKS.md).
+    cfg.compile.mode = "none"
     return cfg
 
 

@@ -1,0 +1,227 @@
+"""megacpp command line: one entry point, subcommands, presets, TOML configs and --section.key overrides."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
+from megacpp.presets import PRESETS, preset
+
+EPILOG_CONFIG = """\
+configuration:
+  Start from --preset (default: tiny) or --config FILE.toml (which may itself say preset = "..."),
+  then override any field with --section.key VALUE, e.g.
+      megacpp train --model.depth 12 --train.steps 2000 --optim.muon_lr 0.02
+  `megacpp config --preset small` prints every key with its value.
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), help="named preset to start from (default: tiny)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (may set preset = ...)")
+
+
+def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
+    """Turn ['--model.depth', '8', '--train.seed=3'] into [('model.depth', '8'), ('train.seed', '3')]."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"command line: unexpected argument {arg!r} (overrides look like --model.depth 8)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(rest):
+            value = rest[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"command line: --{key} needs a value")
+        out.append((key, value))
+    return out
+
+
+def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
+    if args.config is not None:
+        cfg = load_toml(args.config, base=preset(args.preset) if args.preset else None)
+    else:
+        cfg = preset(args.preset or "tiny")
+    return apply_overrides(cfg, _split_overrides(rest))
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.train.loop import train
+
+    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    summary = (f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
+               f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
+    print(summary)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.infer.session import load_session
+
+    session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
+    bpb = session.evaluate(args.batches)
+    print(f"validation bits per byte: {bpb:.4f}  ({session.checkpoint})")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.infer.session import load_session
+
+    session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
+    for piece in session.stream(args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.train.data_setup import train_tokenizer_cli
+
+    print(train_tokenizer_cli(cfg.data, args.out))
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.train.data_setup import build_data
+
+    data = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, "cpu", print)
+    print(f"ready: tokenizer {data.tokenizer_hash[:12]}, unigram entropy {data.unigram_bpb:.3f} bits/byte")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.doctor import doctor_report
+
+    print(doctor_report(cfg))
+    return 0
+
+
+def cmd_params(args: argparse.Namespace, cfg: Config) -> int:
+    import torch
+
+    from megacpp.model.hybrid import HybridLM
+    from megacpp.model.params import parameter_table
+
+    cfg.model.vocab_size = cfg.data.vocab_size  # training takes it from the tokenizer, of this size
+    with torch.device("meta"):  # counts need shapes only: even nam52 costs no memory
+        model = HybridLM(cfg.model)
+    print(f"{cfg.model.pattern} tiled to {cfg.model.depth}: {model.layout}")
+    print(parameter_table(model))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
+    print(dump_toml(cfg), end="")
+    return 0
+
+
+def cmd_compile_report(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.compile.cli import compile_report_cli
+
+    print(compile_report_cli(cfg, backend=args.backend, mode=args.mode, device=args.device))
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.compile.cli import cache_cli
+
+    print(cache_cli(args.action, args.path))
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megacpp",
+        description="Train hybrid attention / Mamba-3 / MoE / recurrent language models for code.",
+        epilog="Run `megacpp train` to train the tiny preset on the C++ headers shipped with torch.\n\n"
+        + EPILOG_CONFIG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help_text: str, config: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG_CONFIG if config else None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if config:
+            _add_config_args(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("train", cmd_train, "train a model (default: the tiny preset on torch's C++ headers, on CPU)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in out_dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+
+    p = add("eval", cmd_eval, "bits per byte of a checkpoint on the validation split")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")
+    p.add_argument("--batches", type=int, default=32, help="validation batches to evaluate (default 32)")
+
+    p = add("sample", cmd_sample, "stream generated text from a checkpoint")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")
+    p.add_argument("--prompt", default="#include <", help="text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, prompt and settings give the same text")
+
+    tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="action", required=True)
+    p = tok.add_parser("train", help="train the byte-level BPE tokenizer on the corpus", epilog=EPILOG_CONFIG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, help="where to write tokenizer.json (default: the data cache)")
+    p.set_defaults(func=cmd_tokenizer_train)
+
+    data = sub.add_parser("data", help="data tools").add_subparsers(dest="action", required=True)
+    p = data.add_parser("prepare", help="discover, tokenize and cache the corpus shards", epilog=EPILOG_CONFIG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.set_defaults(func=cmd_data_prepare)
+
+    add("doctor", cmd_doctor, "versions, devices, caches, kernels and the determinism promise table")
+    add("params", cmd_params, "parameter table per block kind (total and active)")
+    add("config", cmd_config, "print the resolved configuration as TOML")
+
+    p = add("compile-report", cmd_compile_report, "per-callsite torch.compile table: graphs, breaks, recompiles")
+    p.add_argument("--backend", choices=["eager", "aot_eager", "inductor"], default="eager")
+    p.add_argument("--mode", choices=["model", "blocks"], default="blocks")
+    p.add_argument("--device", default="auto")
+
+    p = add("cache", cmd_cache, "export or import the warm torch.compile cache", config=False)
+    p.add_argument("action", choices=["export", "import"])
+    p.add_argument("path", type=Path, help="archive directory to export to or import from")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
+        return args.func(args, cfg)
+    except ConfigError as exc:
+        print(f"megacpp: config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # user-facing errors from our own checks carry their explanation
+        from megacpp.errors import USER_ERRORS
+
+        if isinstance(exc, USER_ERRORS):
+            print(f"megacpp: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``megacpp doctor``: what this machine runs megacpp with, and what megacpp promises on it."""
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+
+import torch
+
+from megacpp.config import Config
+
+# What is bit-exact, what is rerun-deterministic, what is only statistically equivalent, and the test
+# that backs each row. Keep in step with tests/ (test_doctor.py checks every named test exists).
+PROMISES: list[tuple[str, str, str]] = [
+    ("tier 1 bit-exact", "default path (new flags off) vs the pinned reference output and loss, CPU",
+     "tests/test_determinism.py::test_tier1_default_path_matches_pinned_fixture"),
+    ("tier 1 bit-exact", "resume: N steps + checkpoint + M steps == N+M steps (weights, optimizer, losses)",
+     "tests/test_train.py::test_tier1_interrupted_then_resumed_equals_uninterrupted"),
+    ("tier 1 bit-exact", "seeded weight perturbation and restore (frozen parameters too)",
+     "tests/test_determinism.py::test_tier1_perturb_restore"),
+    ("tier 1 bit-exact", "loader resume: the same tokens after a state_dict round trip",
+     "tests/test_data_loader.py::test_tier1_resume_gives_identical_batches"),
+    ("tier 2 rerun", "two fresh processes, same seed and config: identical losses for 20 steps (CPU)",
+     "tests/test_determinism.py::test_tier2_two_processes_same_losses"),
+    ("tier 2 rerun", "decoding: same prompt, seed and settings give the same tokens",
+     "tests/test_determinism.py::test_tier2_sampling_reproducible"),
+    ("tier 2 rerun", "MoE dispatch: static shapes, stable tie-breaking, identical outputs and statistics",
+     "tests/test_moe.py::test_tier2_rerun_identical_outputs_stats_and_grads"),
+    ("tier 3 tolerance", "decode caches vs full forward logits (fp32, |diff| <= 1e-4)",
+     "tests/test_hybrid.py::test_tier3_decode_matches_forward"),
+    ("tier 3 tolerance", "packed documents vs each document alone (fp32, |diff| <= 1e-4)",
+     "tests/test_hybrid.py::test_tier3_packed_documents_isolated"),
+    ("statistical only", "GPU fast path: attention backward and atomics-based reductions vary run to run",
+     "BENCHMARKS.md (run-to-run loss spread)"),
+    ("statistical only", "multi-GPU collective reduction order", "(not yet built)"),
+]
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except ImportError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    if not torch.cuda.is_available():
+        return [f"cpu ({torch.get_num_threads()} threads); no CUDA device"]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+    return out
+
+
+def _kernels() -> list[str]:
+    """Which fast paths load here; each has a pure-PyTorch reference it falls back to."""
+    from megacpp.compile.versions import supports
+
+    flex = "available on CUDA" if supports("flex_attention") else "fallback: SDPA with a dense mask"
+    rows = [f"FlexAttention (document masks, soft-cap): {flex}; CPU always uses SDPA with a mask"]
+    triton = _version("triton")
+    rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
+                                         else "not used (CPU or not installed)"))
+    rows.append("mamba3_scan / m2rnn_scan: pure-PyTorch reference (chunked scan; compiled with the block)")
+    return rows
+
+
+def doctor_report(cfg: Config) -> str:
+    from megacpp.compile.cache import describe_cache_dirs
+    from megacpp.data.config import default_cache_dir
+
+    lines = [
+        "versions",
+        f"  python {sys.version.split()[0]} ({platform.platform()})",
+        f"  torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, triton {_version('triton')}",
+        f"  tokenizers {_version('tokenizers')}, safetensors {_version('safetensors')}, numpy {_version('numpy')}",
+        "devices",
+        *(f"  {d}" for d in _devices()),
+        "caches",
+        f"  data and tokenizers: {default_cache_dir()}",
+        *(f"  {line}" for line in describe_cache_dirs(cfg.compile)),
+        "kernels",
+        *(f"  {k}" for k in _kernels()),
+        "determinism promises (test that backs each)",
+        *(f"  {tier:<17} {what}\n  {'':<17} -> {test}" for tier, what, test in PROMISES),
+    ]
+    return "\n".join(lines)

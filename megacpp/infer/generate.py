@@ -1,0 +1,62 @@
+"""Autoregressive generation with the model's decode caches (KV for A, states for M and R)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from megacpp.model.hybrid import HybridLM
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator) -> Tensor:
+    """Sample one token per row from logits (b, V); temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: HybridLM,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> Iterator[int]:
+    """Yield new token ids one at a time; the same prompt, seed and settings give the same tokens."""
+    if not prompt:
+        raise ValueError("generation needs a non-empty prompt (at least the BOS token)")
+    device = model.tok_embed.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = model.init_cache(batch_size=1, max_len=len(prompt) + max_new_tokens)
+    logits = None
+    for token in prompt:  # prefill through the step path: one code path, exact cache semantics
+        logits = model.forward_step(torch.tensor([[token]], device=device), cache)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+        token = int(nxt.item())
+        if stop_id is not None and token == stop_id:
+            return
+        yield token
+        logits = model.forward_step(nxt.view(1, 1), cache)
+
+
+def stream_text(tokenizer, token_ids: Iterator[int]) -> Iterator[str]:
+    """Turn a token stream into text pieces; decoding the whole prefix keeps multi-byte characters whole."""
+    ids: list[int] = []
+    emitted = ""
+    for token in token_ids:
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for the next byte
+            continue
+        yield text[len(emitted):]
+        emitted = text

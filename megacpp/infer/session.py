@@ -1,0 +1,66 @@
+"""A trained model loaded from a checkpoint, for ``megacpp eval`` and ``megacpp sample``."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megacpp.config import Config, from_dict
+from megacpp.data import CodeTokenizer
+from megacpp.infer.generate import generate_tokens, stream_text
+from megacpp.model.hybrid import HybridLM
+from megacpp.train.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
+from megacpp.train.runtime import resolve_device
+
+
+@dataclass
+class Session:
+    model: HybridLM
+    tokenizer: CodeTokenizer
+    config: Config
+    checkpoint: Path
+    device: torch.device
+
+    def stream(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
+               ) -> Iterator[str]:
+        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
+        yield prompt
+        tokens = generate_tokens(self.model, ids, max_new_tokens, temperature, top_k, seed,
+                                 stop_id=self.tokenizer.eos_id)
+        yield from stream_text(self.tokenizer, tokens)
+
+    def evaluate(self, batches: int) -> float:
+        from megacpp.train.data_setup import build_data
+        from megacpp.train.loop import evaluate_bpb
+
+        data_cfg = self.config.data
+        data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
+        data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+        return evaluate_bpb(self.model, data, self.device, batches)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the newest valid one under a run directory."""
+    path = Path(path)
+    if CKPT_DIR_RE.match(path.name):
+        return path
+    found = latest_valid_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no valid checkpoint (looked in {path / 'checkpoints'})")
+    return found
+
+
+def load_session(path: str | Path, cfg: Config) -> Session:
+    """Rebuild the model from the checkpoint's own config; the device comes from ``cfg.train.device``."""
+    ckpt = resolve_checkpoint(path)
+    device = resolve_device(cfg.train.device)
+    model_state, _, meta = load_checkpoint(ckpt, map_location=device)
+    config = from_dict(meta["config"], source=f"{ckpt}/meta.json")
+    config.train.device = cfg.train.device
+    model = HybridLM(config.model).to(device)
+    model.load_state_dict(model_state)
+    model.eval()
+    tokenizer = CodeTokenizer.from_file(ckpt / "tokenizer.json")
+    return Session(model, tokenizer, config, ckpt, device)

@@ -1,0 +1,173 @@
+"""Checkpoints: one directory per step, written atomically, verified on load, the last K kept.
+
+Layout of ``<out_dir>/checkpoints/step_00000100/``:
+- ``model.safetensors``  model weights (safetensors: no pickle, cheap to inspect)
+- ``state.pt``           optimizer stack, loader, RNG states, step (torch.save, weights_only-loadable)
+- extra files            e.g. ``tokenizer.json``, so the directory alone can be sampled from
+- ``meta.json``          config, tokenizer hash, determinism mode, versions, and the size and sha256 of
+                         each file above. Written last: a directory without it is incomplete.
+
+The directory is built under a ``.tmp`` name and renamed into place, so a crash mid-write never leaves
+something that looks like a checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, truncated or incompatible with this run."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last``.
+
+    ``extra_files`` (name -> bytes, e.g. the tokenizer) are stored and verified like the others, so a
+    checkpoint directory is self-contained.
+    """
+    root = checkpoint_root(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
+    save_file({k: v.detach().contiguous().clone() for k, v in model_state.items()}, tmp / "model.safetensors")
+    torch.save(train_state, tmp / "state.pt")
+    for name, blob in (extra_files or {}).items():
+        (tmp / name).write_bytes(blob)
+    names = ["model.safetensors", "state.pt", *(extra_files or {})]
+    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in names}
+    full_meta = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
+    (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _prune(root, keep_last)
+    return final
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Complete-looking checkpoint directories, newest first (unverified)."""
+    root = checkpoint_root(out_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and CKPT_DIR_RE.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for old in list_checkpoints(root.parent)[max(keep_last, 1):]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json; it is written last)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path}: corrupt metadata ({exc})") from exc
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_path}: checkpoint format {meta.get('format')!r}, this megacpp reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check every file's size and sha256 against meta.json; return the metadata."""
+    path = Path(path)
+    meta = read_meta(path)
+    for name, expected in meta["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing file of checkpoint")
+        size = f.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{f}: truncated or overwritten ({size} bytes, expected {expected['bytes']})")
+        if _sha256(f) != expected["sha256"]:
+            raise CheckpointError(f"{f}: corrupt (sha256 does not match meta.json)")
+    return meta
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
+    """Verify and load a checkpoint: (model_state, train_state, meta)."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    try:
+        model_state = load_file(path / "model.safetensors", device=str(map_location))
+        train_state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+    except (SafetensorError, RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
+    return model_state, train_state, meta
+
+
+def latest_valid_checkpoint(out_dir: str | Path, warn=print) -> Path | None:
+    """The newest checkpoint that verifies; broken ones are reported and skipped, never deleted."""
+    for path in list_checkpoints(out_dir):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as exc:
+            warn(f"skipping checkpoint: {exc}")
+    return None
+
+
+def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path) -> None:
+    """Refuse to resume into a different model or tokenizer, naming what differs."""
+    diffs = _dict_diff(meta.get("config", {}).get("model", {}), model_config)
+    if diffs:
+        shown = "; ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in diffs[:5])
+        raise CheckpointError(f"{where}: incompatible model config ({shown})")
+    if meta.get("tokenizer_hash") != tokenizer_hash:
+        raise CheckpointError(
+            f"{where}: trained with tokenizer {str(meta.get('tokenizer_hash'))[:12]}, "
+            f"this run uses {tokenizer_hash[:12]}"
+        )
+
+
+def _dict_diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(_dict_diff(va, vb, f"{prefix}{key}."))
+        elif va != vb:
+            out.append((f"{prefix}{key}", va, vb))
+    return out

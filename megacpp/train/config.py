@@ -1,0 +1,25 @@
+"""Training-loop configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    deterministic: bool = False  # bitwise mode: deterministic algorithms, no TF32, pinned autotune
+    out_dir: str = "runs/tiny"
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    ckpt_every: int = 200
+    keep_last: int = 3
+    sample_tokens: int = 160
+    sample_prompt: str = "#include <"
+    sample_temperature: float = 0.8
+    sample_top_k: int = 40
+    tensorboard: bool = True

@@ -1,0 +1,71 @@
+"""What the trainer needs from the data path: tokenizer, train and validation loaders, a baseline."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megacpp.data import CodeTokenizer, DataConfig, PackedLoader, ShardSet, ValBatch, ValLoader, prepare_data
+from megacpp.data.corpus import discover_corpus
+from megacpp.data.prepare import load_or_train_tokenizer
+
+
+def unigram_bits_per_byte(shards: ShardSet) -> float:
+    """Entropy of the training split's token frequencies, per byte: what a model that ignores context
+    can reach. A trained model must fall clearly below it."""
+    split = shards.splits["train"]
+    counts = np.bincount(np.asarray(split.tokens), minlength=shards.vocab_size).astype(np.float64)
+    counts[shards.token_bytes == 0] = 0  # special tokens stand for no bytes, as in evaluate_bpb
+    p = counts[counts > 0] / counts.sum()
+    bits_per_token = float(-(p * np.log2(p)).sum())
+    return bits_per_token * counts.sum() / max(split.num_bytes, 1)
+
+
+@dataclass
+class DataBundle:
+    tokenizer: CodeTokenizer
+    shards: ShardSet
+    loader: PackedLoader
+    batch_size: int
+    seq_len: int
+    device: torch.device
+    unigram_bpb: float
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.tokenizer.hash
+
+    def tokenizer_json(self) -> bytes:
+        return Path(self.tokenizer.path).read_bytes()
+
+    def val_batches(self, max_batches: int) -> Iterator[ValBatch]:
+        """The same fixed validation batches on every call."""
+        return iter(ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches,
+                              device=self.device))
+
+
+def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device | str,
+               log: Callable[[str], None] = print, progress: bool = True,
+               rank: int = 0, world_size: int = 1) -> DataBundle:
+    """Discover, tokenize (cached) and wrap the corpus in loaders for this rank."""
+    cfg.validate()
+    prepared = prepare_data(cfg, progress=progress, log=log)
+    device = torch.device(device)
+    loader = PackedLoader(prepared.shards, batch_size, cfg.seq_len, rank=rank, world_size=world_size,
+                          seed=seed + cfg.shuffle_seed, device=device)
+    return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
+                      unigram_bits_per_byte(prepared.shards))
+
+
+def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
+    """`megacpp tokenizer train`: train (or find cached) and optionally copy tokenizer.json to ``out``."""
+    cfg.validate()
+    tok = load_or_train_tokenizer(cfg, discover_corpus(cfg))
+    if out is not None:
+        out = out / "tokenizer.json" if out.suffix != ".json" else out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(Path(tok.path).read_bytes())
+    return f"tokenizer {tok.hash[:12]}: vocab {tok.vocab_size}, {out or tok.path}"

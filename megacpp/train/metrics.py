@@ -1,0 +1,73 @@
+"""Run metrics: one JSON object per line, TensorBoard scalars, and a loss-curve PNG at the end."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Headless plotting: the default run happens on machines with no display.
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if resume else "w")
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+
+    def log(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        record = {"step": step, "kind": kind, **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; after a resume, a step logged twice keeps its latest record."""
+    by_key: dict[tuple[int, str], dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_key[(record["step"], record["kind"])] = record
+    return sorted(by_key.values(), key=lambda r: (r["step"], r["kind"]))
+
+
+def plot_loss(metrics_path: str | Path, png_path: str | Path, reference_bpb: float | None = None) -> Path:
+    """Training loss and validation bits-per-byte against step."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and "loss" in r]
+    val = [(r["step"], r["val_bpb"]) for r in records if r["kind"] == "val" and "val_bpb" in r]
+    fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax_loss.plot(*zip(*train, strict=True), lw=1)
+    ax_loss.set(xlabel="step", ylabel="train loss (nats/token)", title="training loss")
+    if val:
+        ax_bpb.plot(*zip(*val, strict=True), marker="o", label="validation")
+    if reference_bpb is not None:
+        ax_bpb.axhline(reference_bpb, color="gray", ls="--", label="unigram entropy")
+    ax_bpb.set(xlabel="step", ylabel="bits per byte", title="validation bits per byte")
+    ax_bpb.legend()
+    for ax in (ax_loss, ax_bpb):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

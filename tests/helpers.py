@@ -1,0 +1,47 @@
+"""Shared test helpers: a synthetic C++ corpus and a training config small enough for CI."""
+import random
+
+from megacpp.config import Config, apply_overrides
+from megacpp.presets import preset
+
+_SNIPPETS = [
+    "#include <vector>\n#include <string>\n",
+    "namespace detail {\ntemplate <typename T>\nstruct Box {\n  T value;\n};\n}  // namespace detail\n",
+    "int add(int a, int b) {\n  return a + b;\n}\n",
+    "class Widget {\n public:\n  explicit Widget(int n) : n_(n) {}\n  int size() const { return n_; }\n"
+    " private:\n  int n_;\n};\n",
+    "for (size_t i = 0; i < items.size(); ++i) {\n  total += items[i];\n}\n",
+    "static_assert(sizeof(int) == 4, \"int is 32 bits\");\n",
+    "std::vector<std::string> split(const std::string& s, char sep);\n",
+    "if (ptr == nullptr) {\n  throw std::runtime_error(\"null\");\n}\n",
+]
+
+
+def write_corpus(root, n_files: int = 60, seed: int = 0) -> None:
+    """Deterministic pseudo-C++ files, each a distinct mix of snippets (so dedup keeps them all)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        body = "".join(rng.choice(_SNIPPETS) for _ in range(rng.randint(3, 9)))
+        (root / f"file_{i:03d}.hpp").write_text(f"// file {i}\n#pragma once\n{body}")
+
+
+def tiny_train_config(tmp_path, corpus, **overrides: str) -> Config:
+    """Every block kind at toy width; 300-token vocabulary; no compile, no TensorBoard."""
+    base = {
+        "model.d_model": "32", "model.depth": "5",
+        "model.attention.n_heads": "2", "model.attention.n_kv_heads": "1", "model.attention.head_dim": "16",
+        "model.mamba.d_state": "8", "model.mamba.head_dim": "16", "model.mamba.chunk_size": "16",
+        "model.moe.n_experts": "4", "model.moe.expert_hidden": "32",
+        "model.rnn.n_heads": "2", "model.rnn.key_dim": "8", "model.rnn.value_dim": "8",
+        "model.ffn.hidden": "64", "model.engram.layers": "[1]", "model.engram.dim": "8",
+        "model.engram.ngram_table_size": "257",
+        "data.corpus": f'["{corpus}"]', "data.cache_dir": str(tmp_path / "cache"), "data.vocab_size": "300",
+        "data.seq_len": "32", "data.val_fraction": "0.1",
+        "train.batch_size": "4", "train.steps": "6", "train.eval_every": "3", "train.eval_batches": "2",
+        "train.ckpt_every": "3", "train.log_every": "1", "train.out_dir": str(tmp_path / "run"),
+        "train.sample_tokens": "8", "train.tensorboard": "false", "compile.mode": "none",
+    }
+    base.update(overrides)
+    cfg: Config = preset("tiny")
+    return apply_overrides(cfg, list(base.items()))

@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+
+from megacpp.train.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def _save(tmp_path, step, keep_last=3):
+    model = {"w": torch.full((3, 4), float(step)), "b": torch.arange(4.0)}
+    return save_checkpoint(tmp_path, step, model, {"step": step, "x": torch.tensor([step])},
+                           {"config": {"model": {"depth": 4}}, "tokenizer_hash": "abc"}, keep_last)
+
+
+def test_tier1_round_trip(tmp_path):
+    path = _save(tmp_path, 5)
+    model, state, meta = load_checkpoint(path)
+    assert torch.equal(model["w"], torch.full((3, 4), 5.0))
+    assert torch.equal(state["x"], torch.tensor([5]))
+    assert meta["step"] == 5 and meta["tokenizer_hash"] == "abc"
+
+
+def test_keeps_last_k_newest_first(tmp_path):
+    for step in (10, 20, 30, 40):
+        _save(tmp_path, step, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000040", "step_00000030"]
+
+
+def test_truncated_file_is_a_clear_error_and_resume_skips_it(tmp_path):
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    blob = newest / "model.safetensors"
+    blob.write_bytes(blob.read_bytes()[:-7])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(newest)
+    warnings = []
+    assert latest_valid_checkpoint(tmp_path, warn=warnings.append).name == "step_00000001"
+    assert "truncated" in warnings[0]
+    assert newest.exists(), "a broken checkpoint is reported, never deleted"
+
+
+def test_corrupt_bytes_same_size(tmp_path):
+    path = _save(tmp_path, 3)
+    blob = path / "state.pt"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(path)
+
+
+def test_incomplete_directory_without_meta(tmp_path):
+    path = _save(tmp_path, 3)
+    (path / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(path)
+
+
+def test_half_written_tmp_directory_is_ignored(tmp_path):
+    _save(tmp_path, 1)
+    (tmp_path / "checkpoints" / "step_00000009.tmp").mkdir()
+    assert latest_valid_checkpoint(tmp_path).name == "step_00000001"
+
+
+def test_incompatible_model_config_and_tokenizer(tmp_path):
+    path = _save(tmp_path, 1)
+    meta = json.loads((path / "meta.json").read_text())
+    with pytest.raises(CheckpointError, match=r"model.depth: checkpoint 4 vs now 6"):
+        check_compatible(meta, {"depth": 6}, "abc", path)
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        check_compatible(meta, {"depth": 4}, "other", path)
+    check_compatible(meta, {"depth": 4}, "abc", path)

@@ -1,0 +1,127 @@
+"""End-to-end trainer tests on a toy corpus: resume, checkpoints, NaN stop, CLI errors."""
+import json
+import math
+
+import pytest
+import torch
+
+from megacpp.cli import main
+from megacpp.train.checkpoint import list_checkpoints
+from megacpp.train.loop import NonFiniteLossError, Trainer
+from tests.helpers import tiny_train_config
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _run(cfg, resume=False) -> Trainer:
+    trainer = Trainer(cfg, log=_quiet, progress=False)
+    trainer.run(resume=resume)
+    return trainer
+
+
+def test_tier1_interrupted_then_resumed_equals_uninterrupted(tmp_path, small_corpus, monkeypatch):
+    """Kill after step 3 (checkpoint at 3), resume to 6: weights, optimizer state, MoE biases, loader
+    position and losses equal an uninterrupted 6-step run bit for bit. Breaks if any piece of state
+    (RNG, loader, schedule, momentum, MoE bias) is not checkpointed."""
+    straight = _run(tiny_train_config(tmp_path / "a", small_corpus))
+
+    cfg = tiny_train_config(tmp_path / "b", small_corpus)
+    original_step = Trainer.train_step
+
+    def crash_after_three(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg)
+    monkeypatch.setattr(Trainer, "train_step", original_step)
+    resumed = _run(tiny_train_config(tmp_path / "b", small_corpus), resume=True)
+
+    assert resumed.losses == straight.losses
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = straight.stack.state_dict(), resumed.stack.state_dict()
+    for part in ("muon", "adamw"):
+        for pid, state in sa[part]["state"].items():
+            for key, value in state.items():
+                other = sb[part]["state"][pid][key]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    assert straight.data.loader.state_dict() == resumed.data.loader.state_dict()
+
+
+def test_run_writes_metrics_plot_sample_and_keeps_last_k(tmp_path, small_corpus):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "7", "train.ckpt_every": "2",
+                                                        "train.keep_last": "2"})
+    trainer = _run(cfg)
+    out = tmp_path / "run"
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "sample.txt").read_text().startswith(cfg.train.sample_prompt)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 8))
+    assert all(math.isfinite(r["val_bpb"]) for r in records if r["kind"] == "val")
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000007", "step_00000006"]
+    assert (list_checkpoints(out)[0] / "tokenizer.json").is_file()
+    assert trainer.step == 7
+
+
+def test_nan_loss_stops_with_step_and_sublayer_and_keeps_checkpoint(tmp_path, small_corpus):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "5", "train.ckpt_every": "2"})
+    trainer = Trainer(cfg, log=_quiet, progress=False)
+    original = trainer.train_step
+
+    def poison_then_step():
+        if trainer.step == 3:  # corrupt one Mamba-3 weight: the forward turns NaN from that sublayer on
+            block = next(b for b in trainer.model.blocks if b.kind == "M")
+            with torch.no_grad():
+                block.mixer.out_proj.weight.fill_(float("nan"))
+        return original()
+
+    trainer.train_step = poison_then_step
+    good = None
+    with pytest.raises(NonFiniteLossError) as err:
+        try:
+            trainer.run()
+        finally:
+            good = list_checkpoints(tmp_path / "run")
+    msg = str(err.value)
+    assert "step 4" in msg and "nan" in msg
+    assert "sublayer 2 (M: Mamba3)" in msg
+    assert [p.name for p in good] == ["step_00000002"]
+
+
+def test_cli_bad_config_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('preset = "tiny"\n[train]\nsteps = "many"\n')
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3" in err and "train.steps" in err and "expected int" in err
+    assert main(["train", "--model.patern", "AM"]) == 2
+    assert "did you mean 'pattern'" in capsys.readouterr().err
+
+
+def test_cli_corrupt_checkpoint_is_a_clear_error(tmp_path, small_corpus, capsys):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2"})
+    _run(cfg)
+    ckpt = list_checkpoints(tmp_path / "run")[0]
+    blob = ckpt / "model.safetensors"
+    blob.write_bytes(blob.read_bytes()[:100])
+    assert main(["sample", "--checkpoint", str(ckpt), "--tokens", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "truncated" in err and "model.safetensors" in err
+    warnings: list[str] = []
+    assert Trainer(cfg, log=warnings.append, progress=False).resume() is None, "resume must skip it"
+    assert any("truncated" in w for w in warnings)
+
+
+def test_cli_sample_streams_from_checkpoint(tmp_path, small_corpus, capsys):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2"})
+    _run(cfg)
+    args = ["sample", "--checkpoint", str(tmp_path / "run"), "--tokens", "6", "--prompt", "int ", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith("int ")
