@@ -215,13 +215,17 @@ def _chunked_ssd(
     scores = torch.einsum("bclgn,bcsgn->bgcls", C, B)[:, :, None] * decay * w[..., None, :]
     y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, x)
 
+    # Two-operand contractions only: with three, opt_einsum picks a path from the concrete sizes and
+    # Dynamo guards on them (the batch axis included), recompiling for every new batch size.
     to_end = decay[..., -1, :] * w  # decay from each token to its chunk's end
-    states = torch.einsum("bgrcs,bcsgrp,bcsgn->bcgrpn", to_end, x, B)
+    x_to_end = x * to_end.permute(0, 3, 4, 1, 2)[..., None]  # (b, c, s, g, r, p)
+    states = torch.einsum("bcsgrp,bcsgn->bcgrpn", x_to_end, B)
     start = x.new_zeros(b, h, p, n) if init is None else init
     states = torch.cat([start.view(b, 1, g, r, p, n), states], dim=1)
     chunk_decay = _segsum(F.pad(a.sum(-1), (1, 0))).exp()  # (b, g, r, c+1, c+1)
     states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
 
     from_start = a.cumsum(-1).exp()  # decay from the chunk's entering state to each token
-    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", C, states[:, :-1], from_start)
+    y_state = torch.einsum("bclgn,bcgrpn->bclgrp", C, states[:, :-1])
+    y = y + y_state * from_start.permute(0, 3, 4, 1, 2)[..., None]
     return y.reshape(b, nc * L, h, p)[:, :t], states[:, -1].reshape(b, h, p, n)
