@@ -1,9 +1,29 @@
-"""Compile configuration (stub)."""
+"""Compile configuration: which regions to compile, with what backend, and the expected health bounds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+MODES = ("none", "model", "blocks")
+BACKENDS = ("inductor", "aot_eager", "eager")
+
 
 @dataclass
 class CompileConfig:
-    mode: str = "blocks"  # none | model | blocks
+    mode: str = "blocks"  # none | model (whole model) | blocks (each block of model.blocks on its own)
+    backend: str = "inductor"  # inductor | aot_eager | eager (eager: Dynamo capture only, no lowering)
+    fullgraph: bool = False  # True: Dynamo raises at the first break instead of the bound check counting it
+    dynamic_batch: bool = True  # mark the batch axis (dim 0) dynamic on warmup inputs; no other dim is
+    max_graph_breaks: int = 0  # expected bound per forward over megacpp's own code; 0 for the hybrid
+    max_recompiles_after_warmup: int = 0
+    fail_on_recompile_limit_hit: bool = True  # raise at the cap instead of running that frame eagerly forever
+    max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
+    autotune_subprocess: bool = False  # benchmark autotune choices in a subprocess
+    cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"compile.mode must be one of {MODES}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"compile.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_graph_breaks < 0 or self.max_recompiles_after_warmup < 0:
+            raise ValueError("compile bounds must be >= 0")

@@ -1,0 +1,257 @@
+"""Inductor cache hygiene: a chosen, reported cache directory, and warm-cache export/import between hosts.
+
+The cache directory is set explicitly at entry: an explicit root, else $MEGACPP_CACHE_DIR, else a
+user-set $TORCHINDUCTOR_CACHE_DIR (not torch's /tmp default, which importing torch._dynamo writes into
+that variable), else ~/.cache/megacpp; ``<root>/inductor`` must be writable (checked
+by writing a probe file, not by permission bits: root ignores them), otherwise a process-private
+temporary directory is used and the status says why. FX graph and AOTAutograd caches are switched on.
+Triton kernels land under the same directory (Inductor's default ``<cache>/triton``).
+
+Export copies the cache directory (plus PyTorch's Mega-Cache artifact bytes where the version gate
+allows) into a target directory with a manifest holding a content digest of the copied files; export
+and import skip when digests match, refuse unwritable targets and hold file locks, so two processes
+syncing at once cannot interleave. Mega-Cache bytes are unpickled on import: import only caches you
+trust. They hold only what this process compiled; a fresh CLI process exports the directory alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.versions import supports, torch_version
+
+MANIFEST = "MANIFEST.json"
+FILES_DIR = "inductor"
+ARTIFACTS = "mega_cache.bin"
+LOCK = ".megacpp-cache.lock"
+IMPORTED = ".megacpp-imported"  # digest of the last import, inside the local cache dir
+_SKIP_NAMES = {LOCK, IMPORTED}
+_SKIP_DIRS = {"locks"}  # Inductor's own lock files
+
+
+class CacheError(RuntimeError):
+    """A cache directory cannot be used (not writable, not an export, ...)."""
+
+
+class CacheBusy(CacheError):
+    """Another process holds the cache lock longer than the timeout."""
+
+
+@dataclass(frozen=True)
+class CacheStatus:
+    path: Path
+    source: str  # argument | MEGACPP_CACHE_DIR | TORCHINDUCTOR_CACHE_DIR | default | fallback
+    fallback_reason: str | None = None
+
+    def format(self) -> str:
+        text = f"inductor cache: {self.path} ({self.source})"
+        if self.fallback_reason:
+            text += f"\n  WARNING: cache root unusable ({self.fallback_reason}); using a private temp dir"
+        return text
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    action: str  # exported | imported | skipped
+    path: Path
+    digest: str
+    files: int
+    artifacts: bool  # Mega-Cache bytes written (export) or loaded (import)
+
+    def format(self) -> str:
+        extra = " + mega-cache artifacts" if self.artifacts else ""
+        return f"cache {self.action}: {self.files} files{extra} at {self.path} (digest {self.digest[:12]})"
+
+
+def writable_reason(path: Path) -> str | None:
+    """None if `path` (created if needed) accepts a new file, else why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    return None
+
+
+def default_cache_root() -> Path:
+    """$MEGACPP_CACHE_DIR, else ~/.cache/megacpp."""
+    return Path(os.environ.get("MEGACPP_CACHE_DIR") or Path.home() / ".cache" / "megacpp")
+
+
+def _user_inductor_dir() -> bool:
+    """Whether $TORCHINDUCTOR_CACHE_DIR holds a user's choice: importing torch._dynamo writes torch's
+    default (/tmp/torchinductor_<user>) there, which is not one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return bool(value) and os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
+def _choose(root: str | Path | None) -> tuple[Path, str, str | None]:
+    """(path, source, why unusable or None) by the precedence in the module docstring."""
+    if root:
+        path, source = Path(root) / "inductor", "argument"
+    elif os.environ.get("MEGACPP_CACHE_DIR"):
+        path, source = default_cache_root() / "inductor", "MEGACPP_CACHE_DIR"
+    elif _user_inductor_dir():
+        path, source = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), "TORCHINDUCTOR_CACHE_DIR"
+    else:
+        path, source = default_cache_root() / "inductor", "default"
+    return path, source, writable_reason(path)
+
+
+def setup_inductor_cache(root: str | Path | None = None) -> CacheStatus:
+    """Choose and export TORCHINDUCTOR_CACHE_DIR, switch FX graph and AOTAutograd caches on.
+
+    Call at the start of the entry point, before the first compile.
+    """
+    path, source, reason = _choose(root)
+    if reason is not None:
+        path, source = Path(tempfile.mkdtemp(prefix=f"megacpp-inductor-{os.getpid()}-")), "fallback"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
+    # env for subprocesses (compile workers, autotune); config for this process, whose config
+    # modules may already have read the environment at import.
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return CacheStatus(path.resolve(), source, reason)
+
+
+def describe_cache_dirs(cfg: CompileConfig) -> list[str]:
+    """Lines for `doctor`: where the compile caches of a run with `cfg` would live (sets nothing)."""
+    path, source, reason = _choose(cfg.cache_dir or None)
+    lines = [f"inductor: {path.resolve()} ({source})"]
+    if reason is not None:
+        lines[0] += f" -- not writable ({reason}): a run would use a process-private temp dir"
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    lines.append(f"triton: {triton} (TRITON_CACHE_DIR)" if triton else f"triton: {path.resolve() / 'triton'}")
+    return lines
+
+
+def current_cache_dir() -> Path:
+    """The Inductor cache directory this process uses now."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _files(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            ours = name in _SKIP_NAMES or name.startswith(".probe-") or ".tmp-" in name
+            if not ours and not name.endswith(".lock"):
+                found.append(Path(dirpath, name).relative_to(root))
+    return found
+
+
+def content_digest(root: Path) -> tuple[str, int]:
+    """sha256 over (relative path, bytes) of every cache file under `root`, and the file count."""
+    digest = hashlib.sha256()
+    files = _files(root)
+    for rel in files:
+        digest.update(rel.as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256((root / rel).read_bytes()).digest())
+    return digest.hexdigest(), len(files)
+
+
+def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:
+    for rel in files:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.copyfile(src / rel, tmp)
+        os.replace(tmp, target)  # readers never see a half-written file
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _locks(paths: list[Path], timeout: float) -> ExitStack:
+    stack = ExitStack()
+    try:
+        for path in sorted(set(paths)):  # one global order: exporters and importers never deadlock
+            stack.enter_context(FileLock(str(path / LOCK), timeout=timeout))
+    except Timeout as exc:
+        stack.close()
+        raise CacheBusy(f"cache lock {exc.lock_file} held by another process for > {timeout}s") from exc
+    return stack
+
+
+def _require_writable(path: Path, what: str) -> None:
+    reason = writable_reason(path)
+    if reason is not None:
+        raise CacheError(f"refusing to {what}: target not writable ({reason})")
+
+
+def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_timeout: float = 600.0) -> SyncResult:
+    """Copy the local Inductor cache (default: the current one) into `dest`; skip if `dest` holds it.
+
+    Raises `CacheError` if `dest` is not writable, `CacheBusy` if its lock is held past `lock_timeout`.
+    """
+    dest, src = Path(dest), Path(cache_dir) if cache_dir else current_cache_dir()
+    _require_writable(dest, f"export the compile cache into {dest}")
+    with _locks([dest, src], lock_timeout):
+        digest, count = content_digest(src)
+        manifest = dest / MANIFEST
+        if manifest.is_file() and json.loads(manifest.read_text()).get("digest") == digest:
+            return SyncResult("skipped", dest, digest, count, (dest / ARTIFACTS).is_file())
+        manifest.unlink(missing_ok=True)  # an interrupted export leaves no manifest: never a skip
+        staging = dest / f"{FILES_DIR}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        _copy_tree(src, staging, _files(src))
+        shutil.rmtree(dest / FILES_DIR, ignore_errors=True)
+        os.replace(staging, dest / FILES_DIR)
+        artifacts = torch.compiler.save_cache_artifacts() if supports("cache_artifacts") else None
+        if artifacts:
+            _write_atomic(dest / ARTIFACTS, artifacts[0])
+        else:
+            (dest / ARTIFACTS).unlink(missing_ok=True)
+        info = {"digest": digest, "files": count, "torch": str(torch_version()), "artifacts": bool(artifacts)}
+        _write_atomic(manifest, json.dumps(info, indent=1).encode())
+    return SyncResult("exported", dest, digest, count, bool(artifacts))
+
+
+def import_cache(src: str | Path, cache_dir: str | Path | None = None, *, lock_timeout: float = 600.0) -> SyncResult:
+    """Copy an export made by `export_cache` into the local Inductor cache; skip if already imported.
+
+    Loads the Mega-Cache bytes when present and supported. Raises `CacheError` if `src` is not an
+    export or the local cache directory is not writable, `CacheBusy` on a held lock.
+    """
+    src, dest = Path(src), Path(cache_dir) if cache_dir else current_cache_dir()
+    if not (src / MANIFEST).is_file():
+        raise CacheError(f"{src} is not a megacpp cache export (no {MANIFEST})")
+    _require_writable(dest, f"import the compile cache into {dest}")
+    with _locks([src, dest], lock_timeout):
+        info = json.loads((src / MANIFEST).read_text())
+        marker = dest / IMPORTED
+        if marker.is_file() and marker.read_text().strip() == info["digest"]:
+            return SyncResult("skipped", dest, info["digest"], info["files"], False)
+        files = _files(src / FILES_DIR)
+        _copy_tree(src / FILES_DIR, dest, files)
+        loaded = False
+        if (src / ARTIFACTS).is_file() and supports("cache_artifacts"):
+            loaded = torch.compiler.load_cache_artifacts((src / ARTIFACTS).read_bytes()) is not None
+        _write_atomic(marker, info["digest"].encode())
+    return SyncResult("imported", dest, info["digest"], len(files), loaded)

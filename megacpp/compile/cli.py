@@ -1,0 +1,36 @@
+"""Entry points for ``megacpp compile-report`` and ``megacpp cache export|import``."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megacpp.compile.cache import export_cache, import_cache, setup_inductor_cache
+from megacpp.compile.report import compile_report, token_inputs
+
+if TYPE_CHECKING:
+    from megacpp.config import Config
+
+
+def compile_report_cli(cfg: Config, backend: str = "eager", mode: str = "blocks", device: str = "auto") -> str:
+    """The compile report for the HybridLM of `cfg` (preset and overrides already applied)."""
+    from megacpp.model.hybrid import HybridLM
+
+    model_cfg = copy.deepcopy(cfg.model)
+    target = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    return compile_report(lambda: HybridLM(model_cfg), backend, mode,
+                          make_inputs=token_inputs(cfg.data.seq_len), device=target)
+
+
+def cache_cli(action: str, path: Path | str) -> str:
+    """``export``: copy the local warm cache into `path`; ``import``: the reverse. Returns what happened."""
+    status = setup_inductor_cache()
+    if action == "export":
+        result = export_cache(path)
+    elif action == "import":
+        result = import_cache(path)
+    else:
+        raise ValueError(f"cache action must be export or import, got {action!r}")
+    return f"{status.format()}\n{result.format()}"

@@ -1,0 +1,30 @@
+"""`prepare_compile`: everything the training entry point sets before the first compile, in order."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megacpp.compile.cache import CacheStatus, setup_inductor_cache
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.env import EnvReport, apply_env
+from megacpp.compile.policy import PolicyStatus, apply_policy
+
+
+@dataclass
+class CompileStatus:
+    cache: CacheStatus
+    env: EnvReport
+    policy: PolicyStatus
+
+    def format(self) -> str:
+        return "\n".join((self.cache.format(), self.env.format(), self.policy.format()))
+
+
+def prepare_compile(cfg: CompileConfig) -> CompileStatus:
+    """Choose the Inductor cache dir, apply the GPU/torchrun env defaults, apply the Dynamo policy.
+
+    Call once at entry, before any model is compiled (and, under torchrun, before the process group
+    is created); put ``status.format()`` in the run's status and in `doctor`.
+    """
+    cache = setup_inductor_cache(cfg.cache_dir or None)
+    env = apply_env(cfg)
+    return CompileStatus(cache, env, apply_policy(cfg))

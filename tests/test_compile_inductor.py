@@ -1,0 +1,86 @@
+"""Inductor on CPU: the stand-in compiles with zero breaks in model and blocks modes, and a warm cache
+exported from one process is used by another (slow: Inductor compiles C++ on CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+
+from megacpp.compile.cache import export_cache
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
+from megacpp.compile.policy import KNOBS
+from megacpp.compile.regions import compile_model
+from megacpp.compile.standin import build_standin, standin_batch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(tmp_path, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    names = [k.resolve() for k in KNOBS.values()]
+    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["model", "blocks"])
+def test_standin_compiles_with_inductor_without_breaks_or_recompiles(mode):
+    cfg = CompileConfig(mode=mode, backend="inductor")
+    torch.manual_seed(0)
+    model = build_standin("AMERF")
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
+        model(**standin_batch(64, 4, 16)).backward()
+        health.end_warmup()
+        with forbid_recompiles():
+            model(**standin_batch(64, 3, 16)).backward()
+        assert health.break_sites(upstream=None) == {}
+        assert health.check_bounds(strict=True) == []
+        assert health.totals().graphs >= 1
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from megacpp.compile.cache import import_cache, setup_inductor_cache
+    from megacpp.compile.config import CompileConfig
+    from megacpp.compile.regions import compile_model
+    from megacpp.compile.standin import build_standin, standin_batch
+    status = setup_inductor_cache(sys.argv[1])
+    result = import_cache(sys.argv[2]) if len(sys.argv) > 2 else None
+    torch.manual_seed(0)
+    model = build_standin("F")
+    compile_model(model, CompileConfig(mode="model", backend="inductor"))
+    model(**standin_batch(64, 4, 16)).backward()
+    counters = torch._dynamo.utils.counters
+    print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"],
+                      "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+                      "imported": result.action if result else None}))
+    """
+)
+
+
+def _child(*args: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TORCHINDUCTOR_CACHE_DIR")
+    out = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_exported_cache_warms_another_process(tmp_path):
+    cold = _child(str(tmp_path / "host-a"))
+    assert cold["hits"] == 0
+    exported = export_cache(tmp_path / "shared", tmp_path / "host-a" / "inductor")
+    assert exported.action == "exported" and exported.files > 0
+    warm = _child(str(tmp_path / "host-b"), str(tmp_path / "shared"))
+    assert warm["imported"] == "imported"
+    assert warm["hits"] >= 1 and warm["aot_hits"] >= 1

@@ -1,0 +1,134 @@
+"""Zero recompiles after warmup while batch size, hyperparameters and routing change; planted triggers caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.exc import FailOnRecompileLimitHit, RecompileError
+
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.health import CompileHealth, CompileHealthError, bounds_for, forbid_recompiles
+from megacpp.compile.policy import KNOBS
+from megacpp.compile.regions import compile_model
+from megacpp.compile.standin import FFNMixer, MoEMixer, build_standin, standin_batch
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # no graph compiled by an earlier test is reused
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
+    names = [k.resolve() for k in KNOBS.values()]
+    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
+        yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+
+
+class ScaledFFN(FFNMixer):
+    """A 0-D tensor hyperparameter (non-persistent buffer) that changes every step."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__(d_model)
+        self.register_buffer("temperature", torch.ones(()), persistent=False)
+
+    def forward(self, x, doc_ids=None):
+        return super().forward(x) * self.temperature
+
+
+class FloatScaledFFN(FFNMixer):
+    """Planted: the same hyperparameter as a Python float."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__(d_model)
+        self.temperature = 1.0
+
+    def forward(self, x, doc_ids=None):
+        return super().forward(x) * self.temperature
+
+
+class CountingFFN(FFNMixer):
+    """Planted: a Python-int call counter mutated in forward."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__(d_model)
+        self.calls_seen = 0
+
+    def forward(self, x, doc_ids=None):
+        self.calls_seen += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("mode", ["model", "blocks"])
+def test_no_recompiles_over_30_steps(mode):
+    torch.manual_seed(0)
+    cfg = CompileConfig(mode=mode, backend="eager")
+    model = build_standin("AEMF")
+    model.blocks[3].mixer = ScaledFFN(32)
+    moe = model.blocks[1].mixer
+    assert isinstance(moe, MoEMixer)
+    lr = torch.tensor(1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    sizes = [6, 4, 6, 5] * 7 + [6, 3]  # 30 steps; the last batch of the "epoch" is smaller
+    routing = []
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
+        step = torch.compile(opt.step, backend=cfg.backend)  # as optim.compile_step does
+        for i, batch in enumerate(sizes):
+            with forbid_recompiles() if i > 0 else torch.enable_grad():
+                model(**standin_batch(64, batch, 8)).backward()
+                step()
+            opt.zero_grad(set_to_none=True)
+            moe.update_bias(0.5)  # routing shifts, outside the graph
+            routing.append(moe.tokens_per_expert.clone())
+            lr.fill_(1e-2 * (1 - i / len(sizes)))  # the schedule moves the 0-D learning rate
+            model.blocks[3].mixer.temperature.fill_(1.0 + 0.1 * i)
+            if i == 0:
+                health.end_warmup()
+        totals = health.totals()
+        assert totals.recompiles_after_warmup == 0, totals.late_recompile_guards
+        assert health.break_sites() == {}  # torch.optim's own breaks are upstream, not ours
+        assert health.check_bounds(strict=True) == []
+    assert any(not torch.equal(routing[0], r) for r in routing[1:]), "routing never shifted"
+
+
+@pytest.mark.parametrize("mode", ["model", "blocks"])
+def test_planted_float_attribute_is_caught_by_forbid_recompiles(mode):
+    model = build_standin("AF")
+    model.blocks[1].mixer = FloatScaledFFN(32)
+    with CompileHealth() as health:
+        health.attach(compile_model(model, CompileConfig(mode=mode, backend="eager")))
+        model(**standin_batch(64, 4, 8)).backward()
+        health.end_warmup()
+        model.blocks[1].mixer.temperature = 0.5  # e.g. a schedule writing a Python float
+        with pytest.raises(RecompileError, match=r"temperature == 1\.0"), forbid_recompiles():
+            model(**standin_batch(64, 4, 8)).backward()
+        assert health.totals().recompiles_after_warmup == 1
+        with pytest.raises(CompileHealthError, match="temperature"):
+            health.check_bounds(strict=True)
+
+
+def test_planted_int_counter_fails_the_guard_with_its_name():
+    model = build_standin("F")
+    model.blocks[0].mixer = CountingFFN(32)
+    compile_model(model, CompileConfig(mode="blocks", backend="eager"))
+    model(**standin_batch(64, 4, 8)).backward()
+    with pytest.raises(RecompileError, match="calls_seen"), forbid_recompiles():
+        model(**standin_batch(64, 4, 8)).backward()
+
+
+def test_recompile_cap_hit_is_counted_and_fails_loudly():
+    model = build_standin("F")
+    model.blocks[0].mixer = FloatScaledFFN(32)
+    cfg = CompileConfig(mode="blocks", backend="eager")
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
+        with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(FailOnRecompileLimitHit):
+            for i in range(4):
+                model.blocks[0].mixer.temperature = 1.0 + i
+                model(**standin_batch(64, 4, 8))
+        stats = health.snapshot()["Block.forward"]
+        assert stats.cache_limit_hits == 1 and stats.recompiles >= 1
+        assert any("recompile_limit" in a for a in health.alerts)
+        with pytest.raises(CompileHealthError, match="recompile-cap hit"):
+            health.check_bounds(strict=True)

@@ -1,0 +1,163 @@
+"""compile_model in none / model / blocks modes; graph breaks are counted and bounded; the gated fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from megacpp.compile import regions
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.health import (
+    CompileHealth,
+    CompileHealthError,
+    CompileHealthWarning,
+    HealthBounds,
+    bounds_for,
+)
+from megacpp.compile.policy import KNOBS
+from megacpp.compile.regions import compile_model, disable_unless, fallback_sites
+from megacpp.compile.standin import FFNMixer, build_standin, standin_batch
+from megacpp.compile.versions import GATES, Gate
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # no graph compiled by an earlier test is reused
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
+    names = [k.resolve() for k in KNOBS.values()]
+    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
+        yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+
+
+class BreakingFFN(FFNMixer):
+    def forward(self, x, doc_ids=None):
+        y = super().forward(x)
+        torch._dynamo.graph_break()
+        return y
+
+
+def _train(model, batch, seq_len=8):
+    model(**standin_batch(64, batch, seq_len)).backward()
+
+
+@pytest.mark.parametrize("mode, callsite, modules", [("none", None, 0), ("model", "StandInLM.forward", 1),
+                                                      ("blocks", "Block.forward", 5)])
+def test_modes_compile_with_zero_breaks(mode, callsite, modules):
+    cfg = CompileConfig(mode=mode, backend="eager")
+    torch.manual_seed(0)
+    model = build_standin("AMERF")
+    with CompileHealth(bounds_for(cfg)) as health:
+        compiled = compile_model(model, cfg)
+        health.attach(compiled)
+        _train(model, 4)
+        health.end_warmup()
+        _train(model, 3)
+        stats = health.snapshot()
+        assert health.check_bounds(strict=True) == []
+    totals = health.totals()
+    assert totals.breaks == 0 and totals.recompiles_after_warmup == 0
+    if callsite is None:
+        assert stats == {} and compiled.regions == []
+    else:
+        assert list(stats) == [callsite]
+        assert stats[callsite].modules == modules
+        assert stats[callsite].graphs >= 1 and stats[callsite].compile_time_s > 0
+    assert not compiled.warming_up
+
+
+@pytest.mark.parametrize("mode", ["model", "blocks"])
+def test_planted_graph_break_fails_the_bound_with_its_reason(mode):
+    cfg = CompileConfig(mode=mode, backend="eager")
+    model = build_standin("AF")
+    model.blocks[1].mixer = BreakingFFN(32)
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
+        _train(model, 4)
+        with pytest.raises(CompileHealthError, match=r"graph break.*graph_break\(\)"):
+            health.check_bounds(strict=True)
+        with pytest.warns(CompileHealthWarning, match="graph break"):
+            health.check_bounds(strict=False)
+    assert health.totals().breaks >= 1
+
+
+def test_bound_allows_the_configured_number_of_breaks():
+    cfg = CompileConfig(mode="blocks", backend="eager", max_graph_breaks=1)
+    model = build_standin("AF")
+    model.blocks[1].mixer = BreakingFFN(32)
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
+        _train(model, 4)
+        assert health.check_bounds(strict=True) == []
+
+
+def test_blocks_mode_needs_model_blocks():
+    with pytest.raises(ValueError, match="model.blocks"):
+        compile_model(torch.nn.Linear(2, 2), CompileConfig(mode="blocks", backend="eager"))
+
+
+def test_compiling_twice_is_refused():
+    model = build_standin("F")
+    compile_model(model, CompileConfig(mode="blocks", backend="eager"))
+    with pytest.raises(RuntimeError, match="already replaced"):
+        compile_model(model, CompileConfig(mode="blocks", backend="eager"))
+
+
+def test_state_dict_keys_unchanged_by_compile():
+    model = build_standin("AF")
+    keys = list(model.state_dict())
+    compile_model(model, CompileConfig(mode="blocks", backend="eager"))
+    assert list(model.state_dict()) == keys
+
+
+def test_warmup_batch_of_one_is_refused():
+    model = build_standin("F")
+    compile_model(model, CompileConfig(mode="model", backend="eager"))
+    with pytest.raises(ValueError, match="warm up with >= 2"):
+        _train(model, 1)
+
+
+def test_disable_fallback_is_gated_and_counted(monkeypatch):
+    monkeypatch.setattr(regions, "_fallback_sites", type(regions._fallback_sites)())
+
+    def kernel(x):
+        return x * 2
+
+    assert disable_unless("custom_op", kernel, "ops.kernel") is kernel
+    assert fallback_sites() == {}
+
+    monkeypatch.setitem(GATES, "custom_op", Gate("99.0", "custom ops"))
+    wrapped = disable_unless("custom_op", kernel, "ops.kernel")
+    assert wrapped is not kernel and fallback_sites() == {"ops.kernel [custom_op]": 1}
+
+    def forward(x):
+        return wrapped(x + 1) - 1
+
+    with CompileHealth() as health:
+        out = torch.compile(forward, backend="eager")(torch.ones(3))
+        assert torch.equal(out, torch.full((3,), 3.0))
+        assert health.totals().breaks == 1  # the fallback is a graph break, and it is counted
+        assert list(health.break_sites()) == [f"{__file__}:{forward.__code__.co_firstlineno + 1}"]
+
+
+def test_disabled_mixer_break_is_attributed_to_the_calling_block():
+    # The seed's alternative: the break is raised inside nn.Module.__call__ (torch code), but the
+    # site is the block line that calls the mixer, so it counts against the bound.
+    model = build_standin("AM")
+    model.blocks[1].mixer.forward = torch.compiler.disable(model.blocks[1].mixer.forward)
+    with CompileHealth() as health:
+        health.attach(compile_model(model, CompileConfig(mode="blocks", backend="eager")))
+        _train(model, 4)
+        sites = health.break_sites()
+        assert len(sites) == 1 and "standin.py" in next(iter(sites))
+        assert "torch.compiler.disable" in next(iter(sites.values()))
+
+
+def test_optional_graph_cap():
+    model = build_standin("AF")  # two block variants: two graphs for Block.forward
+    with CompileHealth(HealthBounds(graphs=1)) as health:
+        health.attach(compile_model(model, CompileConfig(mode="blocks", backend="eager")))
+        _train(model, 4)
+        assert health.violations() == ["2 graphs > bound 1"]

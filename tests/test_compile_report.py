@@ -1,0 +1,56 @@
+"""compile_report lists callsites, breaks with reasons and recompiles for a stand-in model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from megacpp.compile.policy import KNOBS
+from megacpp.compile.report import compile_report
+from megacpp.compile.standin import FFNMixer, build_standin
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
+    names = [k.resolve() for k in KNOBS.values()]
+    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
+        yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+
+
+class PrintingFFN(FFNMixer):
+    def forward(self, x, doc_ids=None):
+        print("debug print left in a mixer")
+        return super().forward(x)
+
+
+def _with_planted_break():
+    model = build_standin("AF")
+    model.blocks[1].mixer = PrintingFFN(32)
+    return model
+
+
+def test_table_for_a_clean_model():
+    text = compile_report(lambda: build_standin("AMERF"), backend="eager", mode="blocks")
+    header = next(line for line in text.splitlines() if line.startswith("callsite"))
+    assert header.split()[:4] == ["callsite", "modules", "graphs", "breaks"]
+    row = next(line for line in text.splitlines() if line.startswith("Block.forward")).split()
+    assert row[1:4] == ["5", "5", "0"]  # 5 blocks, 5 variants (mixer types), no break
+    assert row[5] == "0"  # no recompile after warmup (the smaller batch reused the graphs)
+    assert "health: within bounds" in text
+    assert "recompile_limit = 64" in text
+
+
+def test_breaks_and_reasons_are_listed():
+    text = compile_report(_with_planted_break, backend="eager", mode="model")
+    assert "StandInLM.forward" in text
+    assert "graph breaks:" in text and "print" in text
+    assert "BOUND EXCEEDED" in text and "graph break site" in text
+
+
+def test_small_batch_is_refused():
+    with pytest.raises(ValueError, match="batch must be >= 3"):
+        compile_report(build_standin, batch=2)
