@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from megacpp.compile.versions import torch_version
 from megacpp.config import Config
 
 # What is bit-exact, what is rerun-deterministic, what is only statistically equivalent, and the test
@@ -73,7 +74,7 @@ def doctor_report(cfg: Config) -> str:
     lines = [
         "versions",
         f"  python {sys.version.split()[0]} ({platform.platform()})",
-        f"  torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, triton {_version('triton')}",
+        f"  torch {torch_version()}, CUDA {torch.version.cuda or 'none'}, triton {_version('triton')}",
         f"  tokenizers {_version('tokenizers')}, safetensors {_version('safetensors')}, numpy {_version('numpy')}",
         "devices",
         *(f"  {d}" for d in _devices()),

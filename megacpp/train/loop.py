@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from megacpp.compile.regions import compile_model
+from megacpp.compile import CompileHealth, bounds_for, compile_model, prepare_compile
+from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
@@ -96,13 +97,15 @@ class Trainer:
         tc = cfg.train
         self.device = resolve_device(tc.device)
         self.mode = configure_mode(tc.deterministic)
+        self.compile_status = prepare_compile(cfg.compile)  # cache dir, env, Dynamo policy: before any compile
         seed_everything(tc.seed)
         self.data = build_data(cfg.data, tc.seed, tc.batch_size, self.device, log, progress)
         cfg.model.vocab_size = self.data.tokenizer.vocab_size
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
         self.model = HybridLM(cfg.model).to(self.device)
         self.stack = build_optimizer_stack(self.model, cfg)
-        self.compiled = compile_model(self.model, cfg.compile)
+        self.health = CompileHealth(bounds_for(cfg.compile))
+        self.health.attach(compile_model(self.model, cfg.compile))
         self.out_dir = Path(tc.out_dir)
         self.step = 0
         self.losses: list[float] = []
@@ -111,7 +114,7 @@ class Trainer:
 
     def meta(self) -> dict[str, Any]:
         return {"config": to_dict(self.cfg), "tokenizer_hash": self.data.tokenizer_hash,
-                "determinism": self.mode, "torch": torch.__version__}
+                "determinism": self.mode, "torch": str(torch_version())}
 
     def save(self) -> Path:
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
@@ -177,9 +180,14 @@ class Trainer:
                    desc="train", unit="step")
         try:
             t_last = time.perf_counter()
+            warm = False
             while self.step < tc.steps:
                 loss = self.train_step()
                 self.step += 1
+                if not warm:  # every compiled region has run once: from here a recompile is a regression
+                    self.health.end_warmup()
+                    self.health.check_bounds()
+                    warm = True
                 self.losses.append(loss)
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
@@ -202,18 +210,27 @@ class Trainer:
                     checkpoint = self.save()
         finally:
             bar.close()
+            metrics.log(self.step, "compile", self.compile_summary())
             metrics.close()
+            self.health.check_bounds()
+            self.health.close()
         plot = plot_loss(metrics.path, self.out_dir / "loss.png", self.data.unigram_bpb)
         self.log(f"loss curve: {plot}")
         sample = self.sample_text()
         return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.unigram_bpb, checkpoint,
                            sample)
 
+    def compile_summary(self) -> dict[str, float]:
+        totals = self.health.totals()
+        return {"graphs": totals.graphs, "graph_break_sites": len(self.health.break_sites()),
+                "recompiles_after_warmup": totals.recompiles_after_warmup, "compile_time_s": totals.compile_time_s}
+
     def run_header(self) -> str:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
             f"({self.cfg.compile.backend})",
+            self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             parameter_table(self.model),

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megacpp.compile.versions import torch_version
 from megacpp.config import Config
 from megacpp.model.moe import MoE
 from megacpp.optim import OptimizerStack, build_optimizers
@@ -21,7 +22,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device = {name!r} but torch {torch.__version__} sees no CUDA device")
+        raise RuntimeError(f"train.device = {name!r} but torch {torch_version()} sees no CUDA device")
     return device
 
 

@@ -1,0 +1,98 @@
+"""Sublayer forward+backward time on a GPU: megacpp's M, A and E mixers, and mamba_ssm's Mamba3 layer
+measured in the same run when it can be imported (PYTHONPATH pointing at a mamba_ssm 2.3.2 source).
+
+    PYTHONPATH=.peers/mamba_src python benchmarks/bench_blocks.py --d-model 768 --batch 16 --seq 2048
+
+bf16 autocast, CUDA events, warmup then the median of --iters runs. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from megacpp.model.attention import Attention, AttentionConfig
+from megacpp.model.mamba3 import Mamba3, Mamba3Config
+from megacpp.model.mamba3_convert import config_to_mamba_ssm
+from megacpp.model.moe import MoE, MoEConfig
+
+
+def time_fwd_bwd(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor | None, iters: int) -> float:
+    """Median milliseconds of forward + backward (sum of outputs) under bf16 autocast."""
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module(x) if doc_ids is None else module(x, doc_ids)
+        out.float().sum().backward()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    d, b, t = args.d_model, args.batch, args.seq
+    x = torch.randn(b, t, d, device=dev, requires_grad=True)
+    doc_ids = (torch.arange(t, device=dev) // 512).expand(b, t).contiguous()  # 512-token documents
+    mcfg = Mamba3Config(d_state=128, expand=2, head_dim=64, chunk_size=64)
+    rows: list[tuple[str, float, str]] = []
+
+    def run(name: str, module: nn.Module, docs: torch.Tensor | None, compiled: bool) -> None:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        module = module.to(dev)
+        target = torch.compile(module) if compiled else module
+        ms = time_fwd_bwd(target, x, docs, args.iters)
+        breaks = str(graph_breaks()) if compiled else "-"
+        rows.append((name, ms, breaks))
+        print(f"{name}: {ms:.2f} ms (graph breaks {breaks})", flush=True)
+
+    torch.manual_seed(0)
+    run("M megacpp Mamba3, eager", Mamba3(d, mcfg, 0), None, False)
+    run("M megacpp Mamba3, compiled", Mamba3(d, mcfg, 0), None, True)
+    run("M megacpp Mamba3, compiled, doc_ids", Mamba3(d, mcfg, 0), doc_ids, True)
+    try:
+        from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
+
+        peer = PeerMamba3(**config_to_mamba_ssm(d, mcfg), device=dev)
+        run("M mamba_ssm 2.3.2 Mamba3 (Triton), eager", peer, None, False)
+        run("M mamba_ssm 2.3.2 Mamba3 (Triton), compiled", peer, None, True)
+    except Exception as exc:  # the peer is optional: say why it is missing
+        print(f"mamba_ssm peer unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+    acfg = AttentionConfig(n_heads=6, n_kv_heads=2, head_dim=128)
+    run("A attention (GQA 6/2 x 128), compiled", Attention(d, acfg, 0), None, True)
+    run("A attention, compiled, doc_ids", Attention(d, acfg, 0), doc_ids, True)
+    ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True)
+    run("E MoE (top-2 of 16 x 1024 + shared), compiled", MoE(d, ecfg, 0), None, True)
+
+    tokens = b * t
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | d_model {d}, B{b} x T{t}, bf16 autocast")
+    print(f"{'sublayer, fwd+bwd':<50}{'ms':>9}{'Mtok/s':>9}{'breaks':>8}")
+    for name, ms, breaks in rows:
+        print(f"{name:<50}{ms:>9.2f}{tokens / ms / 1e3:>9.2f}{breaks:>8}")
+
+
+if __name__ == "__main__":
+    main()
