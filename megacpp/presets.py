@@ -26,7 +26,7 @@ def tiny() -> Config:
     m.engram.ngram_hash = True
     cfg.data.seq_len = 256
     cfg.train.batch_size = 16
-    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 250, 50, 125
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 200, 50, 100
     cfg.train.out_dir = "runs/tiny"
     # On a 2-core CPU a cold Inductor compile costs ~45 s and buys ~5% step time (BENCHMARKS.md).
     cfg.compile.mode = "none"

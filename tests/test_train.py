@@ -125,3 +125,15 @@ def test_cli_sample_streams_from_checkpoint(tmp_path, small_corpus, capsys):
     first = capsys.readouterr().out
     assert main(args) == 0
     assert capsys.readouterr().out == first and first.startswith("int ")
+
+
+def test_compiled_training_forbids_recompiles_after_warmup(tmp_path, small_corpus):
+    """The trainer in blocks mode with compile.forbid_recompiles: any recompile after the first step would
+    raise at once; the run completes and records zero break sites and zero late recompiles."""
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"compile.mode": "blocks", "compile.backend": "aot_eager",
+                                                        "compile.forbid_recompiles": "true", "train.steps": "4"})
+    _run(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r["kind"] == "compile")
+    assert summary["graphs"] >= 1
+    assert summary["graph_break_sites"] == 0 and summary["recompiles_after_warmup"] == 0

@@ -15,6 +15,7 @@ class CompileConfig:
     dynamic_batch: bool = True  # mark the batch axis (dim 0) dynamic on warmup inputs; no other dim is
     max_graph_breaks: int = 0  # expected bound per forward over megacpp's own code; 0 for the hybrid
     max_recompiles_after_warmup: int = 0
+    forbid_recompiles: bool = False  # after warmup any recompile raises at once, naming its guard
     fail_on_recompile_limit_hit: bool = True  # raise at the cap instead of running that frame eagerly forever
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
     autotune_subprocess: bool = False  # benchmark autotune choices in a subprocess

@@ -1,6 +1,7 @@
 """The training loop: data, model, optimizers, compile, checkpoints, evaluation, plot and sample."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from megacpp.compile import CompileHealth, bounds_for, compile_model, prepare_compile
+from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
@@ -178,6 +179,7 @@ class Trainer:
         checkpoint: Path | None = None
         bar = tqdm(total=tc.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    desc="train", unit="step")
+        after_warmup = contextlib.ExitStack()
         try:
             t_last = time.perf_counter()
             warm = False
@@ -187,6 +189,8 @@ class Trainer:
                 if not warm:  # every compiled region has run once: from here a recompile is a regression
                     self.health.end_warmup()
                     self.health.check_bounds()
+                    if cfg.compile.forbid_recompiles:
+                        after_warmup.enter_context(forbid_recompiles())
                     warm = True
                 self.losses.append(loss)
                 now = time.perf_counter()
@@ -209,6 +213,7 @@ class Trainer:
                 if self.step % tc.ckpt_every == 0 or self.step == tc.steps:
                     checkpoint = self.save()
         finally:
+            after_warmup.close()
             bar.close()
             metrics.log(self.step, "compile", self.compile_summary())
             metrics.close()

@@ -49,6 +49,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return sorted(by_key.values(), key=lambda r: (r["step"], r["kind"]))
 
 
+def _ema(values: tuple[float, ...], decay: float) -> list[float]:
+    out, avg = [], values[0]
+    for v in values:
+        avg = decay * avg + (1 - decay) * v
+        out.append(avg)
+    return out
+
+
 def plot_loss(metrics_path: str | Path, png_path: str | Path, reference_bpb: float | None = None) -> Path:
     """Training loss and validation bits-per-byte against step."""
     records = read_metrics(metrics_path)
@@ -56,7 +64,11 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, reference_bpb: flo
     val = [(r["step"], r["val_bpb"]) for r in records if r["kind"] == "val" and "val_bpb" in r]
     fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(11, 4))
     if train:
-        ax_loss.plot(*zip(*train, strict=True), lw=1)
+        steps, losses = zip(*train, strict=True)
+        ax_loss.plot(steps, losses, lw=0.8, alpha=0.4, label="per logged step")
+        # Batches differ a lot (a long generated header fills many consecutive rows): show the trend too.
+        ax_loss.plot(steps, _ema(losses, 0.9), lw=1.5, label="moving average")
+        ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="train loss (nats/token)", title="training loss")
     if val:
         ax_bpb.plot(*zip(*val, strict=True), marker="o", label="validation")
