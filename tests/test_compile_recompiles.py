@@ -8,21 +8,10 @@ from torch._dynamo.exc import FailOnRecompileLimitHit, RecompileError
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CompileHealth, CompileHealthError, bounds_for, forbid_recompiles
-from megacpp.compile.policy import KNOBS
 from megacpp.compile.regions import compile_model
 from megacpp.compile.standin import FFNMixer, MoEMixer, build_standin, standin_batch
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()  # no graph compiled by an earlier test is reused
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
-    names = [k.resolve() for k in KNOBS.values()]
-    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
-        yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
 
 class ScaledFFN(FFNMixer):

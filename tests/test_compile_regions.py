@@ -14,22 +14,11 @@ from megacpp.compile.health import (
     HealthBounds,
     bounds_for,
 )
-from megacpp.compile.policy import KNOBS
 from megacpp.compile.regions import compile_model, disable_unless, fallback_sites
 from megacpp.compile.standin import FFNMixer, build_standin, standin_batch
 from megacpp.compile.versions import GATES, Gate
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()  # no graph compiled by an earlier test is reused
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
-    names = [k.resolve() for k in KNOBS.values()]
-    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
-        yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
 
 class BreakingFFN(FFNMixer):

@@ -2,23 +2,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch._dynamo
 
-from megacpp.compile.policy import KNOBS
 from megacpp.compile.report import compile_report
 from megacpp.compile.standin import FFNMixer, build_standin
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds contention on a busy CPU
-    names = [k.resolve() for k in KNOBS.values()]
-    with torch._dynamo.config.patch({n: getattr(torch._dynamo.config, n) for n in names}):
-        yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
 
 class PrintingFFN(FFNMixer):

@@ -15,7 +15,7 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     eval_every: int = 100
     eval_batches: int = 8
-    log_every: int = 10
+    log_every: int = 1  # a JSON line per step is cheap, and the plot's moving average needs the points
     ckpt_every: int = 200
     keep_last: int = 3
     sample_tokens: int = 160
