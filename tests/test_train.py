@@ -149,3 +149,14 @@ def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, 
 
     expected = evaluate_bpb(trainer.model, trainer.data, trainer.device, 2)
     assert abs(reported - expected) < 5e-5  # printed with 4 decimals; the same batches and weights
+
+
+def test_config_problems_are_reported_before_any_data_work(tmp_path, capsys):
+    """A bad pattern or a sequence longer than the RoPE table fails at once: the corpus path does not
+    even exist, so reaching the data step would raise a different error."""
+    missing = tmp_path / "no-corpus"
+    assert main(["train", "--model.pattern", "AEXM", f"--data.corpus=[\"{missing}\"]"]) == 1
+    assert "unknown block symbol 'X' at position 2" in capsys.readouterr().err
+    args = ["train", "--data.seq_len", "9000", f"--data.corpus=[\"{missing}\"]"]
+    assert main(args) == 2
+    assert "exceeds model.attention.max_seq_len" in capsys.readouterr().err
