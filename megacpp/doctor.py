@@ -23,6 +23,8 @@ PROMISES: list[tuple[str, str, str]] = [
      "tests/test_data_loader.py::test_tier1_resume_gives_identical_batches"),
     ("tier 2 rerun", "two fresh processes, same seed and config: identical losses for 20 steps (CPU)",
      "tests/test_determinism.py::test_tier2_two_processes_same_losses"),
+    ("tier 2 rerun", "bitwise mode on a GPU: two runs of `small`, identical losses for 50 steps",
+     "BENCHMARKS.md (H200 run; CI has no GPU)"),
     ("tier 2 rerun", "decoding: same prompt, seed and settings give the same tokens",
      "tests/test_determinism.py::test_tier2_sampling_reproducible"),
     ("tier 2 rerun", "MoE dispatch: static shapes, stable tie-breaking, identical outputs and statistics",
