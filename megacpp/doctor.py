@@ -65,7 +65,12 @@ def _kernels() -> list[str]:
     triton = _version("triton")
     rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
                                          else "not used (CPU or not installed)"))
-    rows.append("mamba3_scan / m2rnn_scan: pure-PyTorch reference (chunked scan; compiled with the block)")
+    from megacpp.ops import m2rnn_scan
+
+    fused = m2rnn_scan.m2rnn_triton is not None and torch.cuda.is_available()
+    rows.append("m2rnn_scan: " + ("fused Triton kernels on CUDA (reference for unsupported sizes)" if fused
+                                  else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
+    rows.append("mamba3_scan: pure-PyTorch chunked reference, compiled with its block (no fused kernel yet)")
     return rows
 
 

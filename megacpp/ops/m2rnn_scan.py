@@ -14,11 +14,22 @@ returned in v's dtype, states in the compute dtype.
 
 Shapes: q, k (b, t, H, dk); v (b, t, H, dv); f (b, t, H); W (H, dv, dv); state (b, H, dk, dv);
 doc_ids (b, t) integer.
+
+The functions below are the reference and the CPU implementation. When triton imports, fused kernels
+(megacpp/ops/m2rnn_triton.py: one launch per direction, time loop on chip) are registered as the ops'
+CUDA implementation; CUDA inputs they do not support (not float32, key/value dims not a power of two
+in [16, 128], empty) fall back to these functions. `_scan_fwd.set_kernel_enabled("cuda", False)` (and
+the same for `_scan_bwd`) switches CUDA back to the reference, e.g. to compare.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+try:
+    from megacpp.ops import m2rnn_triton
+except ImportError:  # no triton (CPU-only installs): the reference serves every device
+    m2rnn_triton = None
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -45,8 +56,7 @@ def _time_major(q: Tensor, k: Tensor, v: Tensor, f: Tensor) -> tuple[Tensor, Ten
     return (*(x.permute(1, 2, 0, 3).contiguous() for x in (q, k, v)), f.permute(1, 2, 0).contiguous())
 
 
-@torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())
-def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+def _scan_fwd_reference(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
     qs, ks, vs, fs = _time_major(q, k, v, f)
     t, n_heads, b, dk = qs.shape
     dv = vs.shape[-1]
@@ -61,6 +71,9 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor)
     return y, states
 
 
+_scan_fwd = torch.library.custom_op("megacpp::m2rnn_scan_fwd", mutates_args=())(_scan_fwd_reference)
+
+
 @_scan_fwd.register_fake
 def _scan_fwd_fake(q, k, v, f, W, h0):
     b, t, n_heads, dk = q.shape
@@ -68,8 +81,7 @@ def _scan_fwd_fake(q, k, v, f, W, h0):
     return q.new_empty(t, n_heads, b, dv), q.new_empty(t, n_heads, b, dk, dv)
 
 
-@torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())
-def _scan_bwd(
+def _scan_bwd_reference(
     q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, states: Tensor,
     grad_y: Tensor, grad_states: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -99,6 +111,9 @@ def _scan_bwd(
     return grad_q, grad_k, grad_v, grad_f.permute(2, 0, 1).contiguous(), grad_w.contiguous(), carry.contiguous()
 
 
+_scan_bwd = torch.library.custom_op("megacpp::m2rnn_scan_bwd", mutates_args=())(_scan_bwd_reference)
+
+
 @_scan_bwd.register_fake
 def _scan_bwd_fake(q, k, v, f, W, h0, states, grad_y, grad_states):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
@@ -114,6 +129,11 @@ def _backward(ctx, grad_y: Tensor, grad_states: Tensor):
 
 
 _scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+if m2rnn_triton is not None:
+    # The references serve the CUDA inputs the kernels do not support (see m2rnn_triton.unsupported_reason).
+    _scan_fwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_fwd_triton, _scan_fwd_reference))
+    _scan_bwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_bwd_triton, _scan_bwd_reference))
 
 
 def m2rnn_scan(

@@ -1,0 +1,184 @@
+"""Fused Triton kernels for the M2RNN scan: the CUDA implementation of `megacpp::m2rnn_scan_fwd` and
+`megacpp::m2rnn_scan_bwd` (see megacpp/ops/m2rnn_scan.py for the recurrence, layouts and the reference).
+
+Rows of the state are independent: h[i, :]_t = tanh(f_t h[i, :]_{t-1} W + k_t[i] v_t), so one program
+owns BLOCK_K rows of one (batch row, head) and loops over time with its state tile and W in registers;
+one launch per direction instead of a few per token. Each program writes its rows of every state; the
+quantities that sum over rows (y, grad_v, grad_f, grad_W) go to per-block partial buffers summed after
+the launch, which keeps the result deterministic (no atomics). Everything is fp32; `tl.dot` runs in
+"ieee" precision (no TF32) to match the reference's fp32 matmuls.
+
+Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
+(`unsupported_reason` says why not; `with_fallback` sends such calls to the reference).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Rows of the state per program: tl.dot needs at least 16, and the smallest block gives the most
+# programs (b * H * dk / 16) and the shortest per-step chain, which is what bounds a sequential scan.
+BLOCK_K = 16
+_SIZES = (16, 32, 64, 128)
+
+
+@triton.jit
+def _tanh(x):
+    # exp of a non-positive argument: no overflow at large |x|.
+    e = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, states_ptr, T, H, B,
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = kb * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, DV)
+    tile = rows[:, None] * DV + cols[None, :]
+    w = tl.load(w_ptr + hd * DV * DV + cols[:, None] * DV + cols[None, :])
+    h = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
+    for i in range(T):
+        ti = tl.cast(i, tl.int64)  # states hold t * H * b * dk * dv elements: past int32 at full size
+        tok = (b * T + ti) * H + hd  # (b, t, H) index of the inputs
+        step = (ti * H + hd) * B + b  # (t, H, b) index of the outputs
+        f = tl.load(f_ptr + tok)
+        k = tl.load(k_ptr + tok * DK + rows)
+        v = tl.load(v_ptr + tok * DV + cols)
+        q = tl.load(q_ptr + tok * DK + rows)
+        h = _tanh(f * tl.dot(h, w, input_precision="ieee") + k[:, None] * v[None, :])
+        tl.store(states_ptr + step * DK * DV + tile, h)
+        tl.store(y_part_ptr + (kb * T * H * B + step) * DV + cols, tl.sum(q[:, None] * h, axis=0))
+
+
+@triton.jit
+def _bwd_step(carry, grad_w, h_prev, w_t, ti, b, hd, kb, T, H, B,
+              q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
+              gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """One step back through time ti given h_{ti-1}: stores the per-token grads of this block's rows,
+    returns dL/dh_{ti-1} (before later steps add to it) and the running grad_W."""
+    rows = kb * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, DV)
+    tile = rows[:, None] * DV + cols[None, :]
+    tok = (b * T + ti) * H + hd
+    step = (ti * H + hd) * B + b
+    f = tl.load(f_ptr + tok)
+    k = tl.load(k_ptr + tok * DK + rows)
+    v = tl.load(v_ptr + tok * DV + cols)
+    q = tl.load(q_ptr + tok * DK + rows)
+    gy = tl.load(gy_ptr + step * DV + cols)
+    h = tl.load(states_ptr + step * DK * DV + tile)
+    carry += tl.load(gs_ptr + step * DK * DV + tile) + q[:, None] * gy[None, :]
+    dp = carry * (1.0 - h * h)  # dL/dp_t, p_t the pre-activation
+    back = tl.dot(dp, w_t, input_precision="ieee")  # dL/dh_{t-1} / f_t
+    grad_w += tl.dot(tl.trans(h_prev * f), dp, input_precision="ieee")
+    tl.store(gq_ptr + tok * DK + rows, tl.sum(h * gy[None, :], axis=1))
+    tl.store(gk_ptr + tok * DK + rows, tl.sum(dp * v[None, :], axis=1))
+    partial = kb * B * T * H + tok
+    tl.store(gv_part_ptr + partial * DV + cols, tl.sum(dp * k[:, None], axis=0))
+    # sum(dp * (h_prev W)) = sum(h_prev * (dp W^T)): reuses `back` instead of a second matmul.
+    tl.store(gf_part_ptr + partial, tl.sum(tl.sum(h_prev * back, axis=1), axis=0))
+    return f * back, grad_w
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
+                gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, gw_part_ptr, gh0_ptr, T, H, B,
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = kb * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, DV)
+    tile = rows[:, None] * DV + cols[None, :]
+    w_t = tl.load(w_ptr + hd * DV * DV + cols[None, :] * DV + cols[:, None])  # W^T
+    carry = tl.zeros((BLOCK, DV), dtype=tl.float32)  # dL/dh_t from later steps
+    grad_w = tl.zeros((DV, DV), dtype=tl.float32)
+    # Steps T-1 .. 1 read h_{t-1} from the states; step 0 reads h0 (after the loop).
+    for i in range(T - 1):
+        ti = tl.cast(T - 1 - i, tl.int64)
+        h_prev = tl.load(states_ptr + ((ti - 1) * H * B + hd * B + b) * DK * DV + tile)
+        carry, grad_w = _bwd_step(carry, grad_w, h_prev, w_t, ti, b, hd, kb, T, H, B,
+                                  q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
+                                  gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, DK, DV, BLOCK)
+    h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
+    carry, grad_w = _bwd_step(carry, grad_w, h_prev, w_t, tl.cast(0, tl.int64), b, hd, kb, T, H, B,
+                              q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
+                              gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, DK, DV, BLOCK)
+    tl.store(gh0_ptr + (hd * B + b) * DK * DV + tile, carry)
+    gw_tile = cols[:, None] * DV + cols[None, :]
+    tl.store(gw_part_ptr + ((b * tl.num_programs(2) + kb) * H + hd) * DV * DV + gw_tile, grad_w)
+
+
+def unsupported_reason(tensors: tuple[Tensor, ...], dk: int, dv: int, b: int, t: int) -> str | None:
+    """None when the kernels handle these inputs, else why not."""
+    if any(x.dtype != torch.float32 for x in tensors):
+        return f"float32 only, got {sorted({str(x.dtype) for x in tensors})}"
+    if dk not in _SIZES or dv not in _SIZES:
+        return f"key_dim and value_dim must be one of {_SIZES}, got key_dim={dk}, value_dim={dv}"
+    if b < 1 or t < 1:
+        return f"empty input: b={b}, t={t}"
+    return None
+
+
+def _check(tensors: tuple[Tensor, ...], q: Tensor, v: Tensor) -> tuple[int, int, int, int, int]:
+    b, t, n_heads, dk = q.shape
+    dv = v.shape[-1]
+    reason = unsupported_reason(tensors, dk, dv, b, t)
+    if reason is not None:
+        raise ValueError(f"m2rnn Triton scan: {reason}")
+    return b, t, n_heads, dk, dv
+
+
+def _num_warps(dv: int, square_tiles: int) -> int:
+    # Each (dv x dv) tile held in registers (W; W^T and grad_W in the backward) wants ~32 fp32 values
+    # per thread at most: 4 warps up to 64 x 64, 8 beyond.
+    return 4 if square_tiles * dv * dv <= 4096 else 8
+
+
+def scan_fwd_triton(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """Same contract as the reference `megacpp::m2rnn_scan_fwd`: y (t, H, b, dv), states (t, H, b, dk, dv)."""
+    q, k, v, f, W, h0 = (x.contiguous() for x in (q, k, v, f, W, h0))
+    b, t, n_heads, dk, dv = _check((q, k, v, f, W, h0), q, v)
+    n_blocks = dk // BLOCK_K
+    y_part = q.new_empty(n_blocks, t, n_heads, b, dv)
+    states = q.new_empty(t, n_heads, b, dk, dv)
+    _fwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, y_part, states, t, n_heads, b,
+                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv, 1))
+    return y_part.sum(0), states
+
+
+def scan_bwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, states: Tensor,
+    grad_y: Tensor, grad_states: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Same contract as the reference `megacpp::m2rnn_scan_bwd`: grads of q, k, v, f, W, h0, contiguous,
+    in the inputs' layouts."""
+    q, k, v, f, W, h0, states, grad_y, grad_states = (
+        x.contiguous() for x in (q, k, v, f, W, h0, states, grad_y, grad_states))
+    b, t, n_heads, dk, dv = _check((q, k, v, f, W, h0, states, grad_y, grad_states), q, v)
+    n_blocks = dk // BLOCK_K
+    grad_q, grad_k, grad_h0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(h0)
+    gv_part = v.new_empty(n_blocks, b, t, n_heads, dv)
+    gf_part = f.new_empty(n_blocks, b, t, n_heads)
+    gw_part = W.new_empty(b, n_blocks, n_heads, dv, dv)
+    _bwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, states, grad_y, grad_states,
+                                        grad_q, grad_k, gv_part, gf_part, gw_part, grad_h0, t, n_heads, b,
+                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv, 2))
+    return grad_q, grad_k, gv_part.sum(0), gf_part.sum(0), gw_part.sum((0, 1)), grad_h0
+
+
+def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
+                  reference: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
+    """`fast` where the kernels support the inputs, else `reference` (float64, odd head sizes, t = 0)."""
+    def impl(*args: Tensor) -> tuple[Tensor, ...]:
+        q, v = args[0], args[2]
+        b, t, _, dk = q.shape
+        supported = unsupported_reason(args, dk, v.shape[-1], b, t) is None
+        return fast(*args) if supported else reference(*args)
+
+    return impl
