@@ -41,7 +41,7 @@ def randomize(model: HybridLM, seed: int = 0) -> HybridLM:
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_tier3_decode_matches_forward(name):
+def test_tier3_atol_1e4_decode_matches_forward(name):
     """forward_step token by token == full forward, for every preset's block mix.
     Breaks if any layer's cache (KV, Mamba state, RNN state, Engram window, n-gram history) is wrong."""
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_tier3_decode_matches_forward(name):
     assert (steps - full).abs().max().item() <= LOGIT_ATOL
 
 
-def test_tier3_packed_documents_isolated():
+def test_tier3_atol_1e4_packed_documents_isolated():
     """Each document's logits are the same alone or packed with others (every block kind, Engram and
     the n-gram hash on, MoE with ample capacity). Breaks if any mixer leaks across a boundary."""
     torch.manual_seed(1)
