@@ -8,37 +8,17 @@ bf16 autocast, CUDA events, warmup then the median of --iters runs. Prints a tab
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import torch._dynamo
+from timing import fwd_bwd_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 from torch import nn
 
 from megacpp.model.attention import Attention, AttentionConfig
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
 from megacpp.model.moe import MoE, MoEConfig
-
-
-def time_fwd_bwd(module: nn.Module, x: torch.Tensor, doc_ids: torch.Tensor | None, iters: int) -> float:
-    """Median milliseconds of forward + backward (sum of outputs) under bf16 autocast."""
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = module(x) if doc_ids is None else module(x, doc_ids)
-        out.float().sum().backward()
-
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_breaks() -> int:
@@ -64,7 +44,7 @@ def main() -> None:
         torch._dynamo.utils.counters.clear()
         module = module.to(dev)
         target = torch.compile(module) if compiled else module
-        ms = time_fwd_bwd(target, x, docs, args.iters)
+        ms = fwd_bwd_ms(target, *((x,) if docs is None else (x, docs)), iters=args.iters)
         breaks = str(graph_breaks()) if compiled else "-"
         rows.append((name, ms, breaks))
         print(f"{name}: {ms:.2f} ms (graph breaks {breaks})", flush=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from timing import fwd_bwd_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
 from megacpp.ops.m2rnn_scan import _scan_bwd, _scan_fwd
@@ -66,26 +66,6 @@ def check(args: argparse.Namespace, dev: torch.device) -> None:
         print(f"  {name:<8} max |triton - reference| {diff:.3e}   max |reference| {r.abs().max().item():.3e}")
 
 
-def time_fwd_bwd(module: M2RNN, x: torch.Tensor, iters: int) -> float:
-    """Median milliseconds of forward + backward (sum of outputs) under bf16 autocast."""
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = module(x)
-        out.float().sum().backward()
-
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=768)
@@ -110,7 +90,7 @@ def main() -> None:
     for name, path in (("reference (PyTorch loop)", reference_path), ("Triton fused scan", contextlib.nullcontext)):
         torch.cuda.reset_peak_memory_stats()
         with path():
-            ms = time_fwd_bwd(module, x, args.iters)
+            ms = fwd_bwd_ms(module, x, warmup=2, iters=args.iters)
         rows.append((name, ms, torch.cuda.max_memory_allocated() / 2**30))
         print(f"{name}: {ms:.2f} ms", flush=True)
 

@@ -15,11 +15,11 @@ model 6x per side (d=128) and the step counts so it finishes in about a minute o
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from timing import median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 from torch import nn
 
 from megacpp.optim import Muon, torch_muon_compatible
@@ -34,28 +34,6 @@ def d12_matrices(d: int, layers: int, device: torch.device) -> list[nn.Parameter
         p.grad = torch.randn(shape, generator=gen).to(device)
         params.append(p)
     return params
-
-
-def time_steps(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds per call."""
-    for _ in range(warmup):
-        step()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -97,7 +75,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        results[name] = time_steps(opt.step, device, warmup, iters)
+        results[name] = median_ms(opt.step, device, warmup, iters)
         copies[name] = ps
         print(f"{name}: first step {first:.2f} s", flush=True)
 

@@ -1,6 +1,8 @@
 """Shared test helpers: a synthetic C++ corpus and a training config small enough for CI."""
 import random
 
+import torch
+
 from megacpp.config import Config, apply_overrides
 from megacpp.presets import preset
 
@@ -45,3 +47,19 @@ def tiny_train_config(tmp_path, corpus, **overrides: str) -> Config:
     base.update(overrides)
     cfg: Config = preset("tiny")
     return apply_overrides(cfg, list(base.items()))
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """|actual - expected| <= tol * max|expected| elementwise (expected is the higher-precision side)."""
+    bound = tol * expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
+
+
+def documents(bounds: list[int]) -> torch.Tensor:
+    """(1, bounds[-1]) doc ids with documents [bounds[i], bounds[i+1])."""
+    return torch.cat([torch.full((1, hi - lo), i) for i, (lo, hi) in enumerate(spans(bounds))], dim=1)
+
+
+def spans(bounds: list[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -17,24 +17,13 @@ from megacpp.model.mamba3_convert import (
     from_mamba_ssm,
     to_mamba_ssm,
 )
+from tests.helpers import assert_close_scaled, documents, spans
 
 F32_TOL = 1e-4
 BF16_TOL = 5e-2
 D_MODEL = 16
 
 
-def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    bound = tol * expected.abs().max().item()
-    err = (actual.double() - expected.double()).abs().max().item()
-    assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
-
-def documents(bounds: list[int]) -> torch.Tensor:
-    """(1, bounds[-1]) doc ids with documents [bounds[i], bounds[i+1])."""
-    return torch.cat([torch.full((1, hi - lo), i) for i, (lo, hi) in enumerate(spans(bounds))], dim=1)
-
-
-def spans(bounds: list[int]) -> list[tuple[int, int]]:
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 

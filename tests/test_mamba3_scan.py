@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megacpp.ops.mamba3_scan import mamba3_scan, mamba3_scan_sequential, mamba3_step
+from tests.helpers import assert_close_scaled, documents, spans
 
 F64_TOL = 1e-10
 F32_TOL = 1e-4
@@ -49,19 +50,6 @@ def to64(inputs: dict) -> dict:
     return {k: v.double() for k, v in inputs.items()}
 
 
-def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """|actual - expected| <= tol * max|expected| elementwise (expected is the higher-precision side)."""
-    bound = tol * expected.abs().max().item()
-    err = (actual.double() - expected.double()).abs().max().item()
-    assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
-
-def documents(bounds: list[int]) -> torch.Tensor:
-    """(1, bounds[-1]) doc ids with documents [bounds[i], bounds[i+1])."""
-    return torch.cat([torch.full((1, hi - lo), i) for i, (lo, hi) in enumerate(spans(bounds))], dim=1)
-
-
-def spans(bounds: list[int]) -> list[tuple[int, int]]:
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 

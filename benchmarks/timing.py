@@ -1,0 +1,41 @@
+"""Shared timing for the benchmark scripts: median milliseconds per call, after warmup."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def median_ms(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """CUDA events around each call on a GPU (no host timing of asynchronous work); wall clock on CPU."""
+    for _ in range(warmup):
+        step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_bwd_ms(module: nn.Module, *inputs: torch.Tensor, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of forward + backward (sum of the output) under bf16 autocast on CUDA."""
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module(*inputs)
+        out.float().sum().backward()
+
+    return median_ms(step, inputs[0].device, warmup, iters)
