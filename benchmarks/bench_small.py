@@ -75,10 +75,16 @@ def main() -> None:
         "disable_m": ([], True), "bitwise1": (["--train.deterministic=true"], False),
         "bitwise2": (["--train.deterministic=true"], False),
     }
-    results = {}
+    results: dict[str, dict] = {}
+    reported: set[str] = set()
     for name in args.variants.split(","):
         extra, disable_m = plan[name]
         results[name] = run_variant(name, args, extra, env, disable_m)
+        # Print each comparison as soon as both runs exist: a call cut by its time limit keeps them.
+        for line_name, line in comparisons(results, args.steps).items():
+            if line_name not in reported:
+                print(line, flush=True)
+                reported.add(line_name)
 
     print(f"\n{args.preset}, {args.steps} steps, {args.batch_tokens} tokens/step")
     print(f"{'variant':<12}{'first step s':>14}{'median ms':>12}{'tok/s':>12}{'MFU':>8}{'final loss':>12}")
@@ -89,13 +95,22 @@ def main() -> None:
         tok_s = args.batch_tokens / r["median_step_ms"] * 1000
         print(f"{r['name']:<12}{r['first_step_s']:>14.1f}{r['median_step_ms']:>12.1f}{tok_s:>12,.0f}"
               f"{100 * r['mfu']:>7.1f}%{r['losses'][-1]:>12.4f}")
+    print("\n".join(comparisons(results, args.steps).values()))
+
+
+def comparisons(results: dict[str, dict], steps: int) -> dict[str, str]:
+    """Run-to-run checks available so far: bitwise pair identical? fast pair's per-step spread."""
     ok = {k: v for k, v in results.items() if not v["failed"]}
+    out = {}
     if "bitwise1" in ok and "bitwise2" in ok:
         same = ok["bitwise1"]["losses"] == ok["bitwise2"]["losses"]
-        print(f"bitwise mode, two runs: losses identical for all {args.steps} steps: {same}")
+        out["bitwise"] = f"bitwise mode, two runs: losses identical for all {steps} steps: {same}"
     if "cold" in ok and "warm" in ok:
-        spread = max(abs(a - b) for a, b in zip(ok["cold"]["losses"], ok["warm"]["losses"], strict=True))
-        print(f"fast path, two runs: max |loss difference| over {args.steps} steps = {spread:.3e}")
+        diffs = [abs(a - b) for a, b in zip(ok["cold"]["losses"], ok["warm"]["losses"], strict=True)]
+        first = next((i + 1 for i, d in enumerate(diffs) if d > 0), None)
+        out["fast"] = (f"fast path, two runs: max |loss difference| over {steps} steps = {max(diffs):.3e}, "
+                       f"median {statistics.median(diffs):.3e}, first differing step {first}")
+    return out
 
 
 if __name__ == "__main__":

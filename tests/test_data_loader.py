@@ -127,6 +127,9 @@ def test_epochs_reshuffle_document_order(data):
 
 @pytest.mark.parametrize("stop", ["early", "epoch_end", "next_epoch"])
 def test_tier1_resume_gives_identical_batches(data, stop):
+    """A loader rebuilt from a JSON round trip of state_dict yields exactly the uninterrupted batches,
+    across an epoch boundary. Breaks if the epoch shuffle drew from a global RNG, or if the state
+    missed the epoch or the position within it."""
     shards = data.shards
     ref = PackedLoader(shards, B, T, seed=7)
     k = {"early": 1, "epoch_end": ref.steps_per_epoch, "next_epoch": ref.steps_per_epoch + 2}[stop]

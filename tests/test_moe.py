@@ -205,6 +205,9 @@ def test_tier3_expert_choice_shapes_capacity_and_reference():
 
 @pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
 def test_tier2_rerun_identical_outputs_stats_and_grads(routing):
+    """Two calls on the same input give bitwise the same outputs, routing statistics and gradients.
+    Breaks with an order-dependent combine (a float scatter-add over duplicate rows) or an unstable
+    tie-break in slot assignment."""
     m = make_moe(seed=9, dtype=torch.float32, routing=routing, capacity_factor=1.0)
     x = torch.randn(2, 9, D)
     runs = []
