@@ -8,6 +8,7 @@ bf16 autocast, CUDA events, warmup then the median of --iters runs. Prints a tab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -53,6 +54,8 @@ def main() -> None:
     run("M megacpp Mamba3, eager", Mamba3(d, mcfg, 0), None, False)
     run("M megacpp Mamba3, compiled", Mamba3(d, mcfg, 0), None, True)
     run("M megacpp Mamba3, compiled, doc_ids", Mamba3(d, mcfg, 0), doc_ids, True)
+    bf16_scan = dataclasses.replace(mcfg, scan_matmuls="activation")
+    run("M megacpp Mamba3, compiled, bf16 scan matmuls", Mamba3(d, bf16_scan, 0), None, True)
     try:
         from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
 

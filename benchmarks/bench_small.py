@@ -36,7 +36,8 @@ def run_variant(name: str, args: argparse.Namespace, extra: list[str], env: dict
     cmd = [sys.executable, "-c", DISABLE_M] if disable_m else [sys.executable, "-m", "megacpp.cli"]
     cmd += ["train", "--preset", args.preset, "--no-progress", f"--train.steps={args.steps}",
             f"--train.out_dir={out}", "--train.log_every=1", f"--train.eval_every={args.steps}",
-            f"--train.ckpt_every={args.steps}", "--train.sample_tokens=16", "--train.tensorboard=false", *extra]
+            f"--train.ckpt_every={args.steps}", "--train.sample_tokens=16", "--train.tensorboard=false",
+            *(f"--{kv}" for kv in args.set), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -67,6 +68,8 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/bench_small")
     p.add_argument("--variants", default="cold,warm,bitwise1,bitwise2,eager,disable_m")
     p.add_argument("--batch-tokens", type=int, default=16 * 2048)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override passed to every variant, e.g. --set model.mamba.scan_matmuls=activation")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MEGACPP_CACHE_DIR=str(Path(args.out) / "cache"), PYTHONUNBUFFERED="1")

@@ -63,6 +63,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{where}: expected {_describe(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):

@@ -46,6 +46,19 @@ def test_toml_wrong_type_names_file_line_and_key(tmp_path):
     assert "expected int" in str(err.value)
 
 
+def test_choice_fields_accept_their_choices_and_name_them_otherwise(tmp_path):
+    choices = [("model.mamba.scan_matmuls", "activation"), ("model.moe.routing", "expert_choice")]
+    cfg = apply_overrides(Config(), choices)
+    assert (cfg.model.mamba.scan_matmuls, cfg.model.moe.routing) == ("activation", "expert_choice")
+    with pytest.raises(ConfigError, match=r"scan_matmuls.*expected one of 'fp32', 'activation', got 'bf16'"):
+        apply_overrides(Config(), [("model.mamba.scan_matmuls", "bf16")])
+    path = tmp_path / "run.toml"
+    path.write_text('[model.moe]\nrouting = "expert"\n')
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert f"{path}:2" in str(err.value) and "expected one of 'token_choice', 'expert_choice'" in str(err.value)
+
+
 def test_toml_syntax_error_is_config_error(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model\n")

@@ -24,9 +24,6 @@ BF16_TOL = 5e-2
 D_MODEL = 16
 
 
-
-
-
 def make_mixer(seed: int = 0, **overrides) -> Mamba3:
     """Tiny mixer with every parameter perturbed, so no term of the computation is trivially zero or one."""
     cfg = Mamba3Config(**{"d_state": 8, "head_dim": 4, "n_groups": 2, "chunk_size": 8, **overrides})
@@ -116,6 +113,31 @@ def test_tier3_bf16_autocast_close_to_float32():
             y = mixer(x.bfloat16())
     assert y.dtype == torch.bfloat16
     assert_close_scaled(y, ref, BF16_TOL)
+
+
+def test_tier1_activation_scan_matmuls_with_fp32_activations_is_the_fp32_path():
+    """Without autocast the activation dtype is fp32, so "activation" narrows nothing."""
+    x = tokens(2, 13, seed=17)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 8] * 2)
+    with torch.no_grad():
+        assert torch.equal(make_mixer(9, scan_matmuls="activation")(x, doc_ids), make_mixer(9)(x, doc_ids))
+
+
+def test_tier3_activation_scan_matmuls_under_bf16_autocast_close_to_float32():
+    mixer = make_mixer(9, scan_matmuls="activation")
+    x = tokens(2, 21, seed=10)
+    with torch.no_grad():
+        ref = mixer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mixer(x.bfloat16())
+            y_fp32_scan = make_mixer(9)(x.bfloat16())
+    assert_close_scaled(y, ref, BF16_TOL)
+    assert not torch.equal(y, y_fp32_scan)  # the scan's matmuls really ran in bf16
+
+
+def test_scan_matmuls_rejects_unknown_values():
+    with pytest.raises(ValueError, match="scan_matmuls must be one of"):
+        make_mixer(0, scan_matmuls="bf16")
 
 
 def test_tier2_forward_rerun_identical():

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_scan, mamba3_step
+
+ScanMatmuls = Literal["fp32", "activation"]
 
 
 @dataclass
@@ -29,6 +31,9 @@ class Mamba3Config:
     dt_init_floor: float = 1e-4
     chunk_size: int = 64
     norm_eps: float = 1e-5
+    # Operand dtype of the scan's large matmuls: "fp32" (exact path), or "activation" (bf16 under bf16
+    # autocast, like mamba_ssm's kernels; fp32 accumulation either way). See docs/mamba3.md.
+    scan_matmuls: ScanMatmuls = "fp32"
 
 
 def num_rope_angles(d_state: int, rope_fraction: float) -> int:
@@ -59,6 +64,9 @@ class Mamba3(nn.Module):
         self.n_heads = self.d_inner // cfg.head_dim
         if self.n_heads % cfg.n_groups:
             raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_groups = {cfg.n_groups}")
+        if cfg.scan_matmuls not in get_args(ScanMatmuls):
+            raise ValueError(f"Mamba3Config.scan_matmuls must be one of {get_args(ScanMatmuls)}, "
+                             f"got {cfg.scan_matmuls!r}")
         self.n_angles = num_rope_angles(cfg.d_state, cfg.rope_fraction)
         if self.n_angles < 1:
             raise ValueError("rope_fraction * d_state must cover at least one pair of state dimensions")
@@ -97,9 +105,15 @@ class Mamba3(nn.Module):
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         proj = self._project(x)
         theta = _segmented_cumsum(proj.angle_step, doc_ids)
+        B, C = _rotate(proj.B, theta), _rotate(proj.C, theta)
+        matmul_dtype = None
+        if self.cfg.scan_matmuls == "activation":
+            # B and C enter the matmuls rounded anyway: rounding them here halves what is saved for backward.
+            matmul_dtype = proj.x.dtype
+            B, C = B.to(matmul_dtype), C.to(matmul_dtype)
         y = mamba3_scan(
-            proj.x, _rotate(proj.B, theta), _rotate(proj.C, theta), proj.adt, proj.dt, proj.lam,
-            D=self.D, z=proj.z, doc_ids=doc_ids, chunk_size=self.cfg.chunk_size,
+            proj.x, B, C, proj.adt, proj.dt, proj.lam, D=self.D, z=proj.z, doc_ids=doc_ids,
+            chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype,
         )
         return self.out_proj(y.flatten(2))
 

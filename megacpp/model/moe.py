@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ROUTINGS = ("token_choice", "expert_choice")
+Routing = Literal["token_choice", "expert_choice"]
+ROUTINGS = get_args(Routing)
 
 
 @dataclass
@@ -31,7 +33,7 @@ class MoEConfig:
     expert_hidden: int = 128
     shared_expert: bool = True
     capacity_factor: float = 1.25
-    routing: str = "token_choice"  # token_choice | expert_choice
+    routing: Routing = "token_choice"
     bias_update_rate: float = 1e-3
 
 

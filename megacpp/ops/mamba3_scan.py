@@ -68,8 +68,10 @@ def mamba3_scan_sequential(
     doc_ids: Tensor | None = None,
     chunk_size: int = 64,
     return_final_state: bool = False,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, State]:
-    """Per-token loop over `mamba3_step`: the reference. chunk_size is accepted for parity and ignored."""
+    """Per-token loop over `mamba3_step`: the reference. chunk_size and matmul_dtype are accepted for
+    parity and ignored (the loop always runs in the compute dtype)."""
     state = initial_state if initial_state is not None else _zero_state(x, B)
     starts = doc_boundaries(doc_ids) if doc_ids is not None else None
     ys = []
@@ -96,8 +98,15 @@ def mamba3_scan(
     doc_ids: Tensor | None = None,
     chunk_size: int = 64,
     return_final_state: bool = False,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, State]:
-    """Chunked parallel scan; same semantics as `mamba3_scan_sequential`, traceable with fullgraph=True."""
+    """Chunked parallel scan; same semantics as `mamba3_scan_sequential`, traceable with fullgraph=True.
+
+    matmul_dtype (default: the compute dtype, fp32) is the operand dtype of the four large
+    contractions (C·B scores, scores·x, chunk states, state readout). bf16 roughly halves their cost and
+    memory traffic on GPUs; products still accumulate in fp32 and decays, exponentials, the
+    inter-chunk state passing and the final state stay in the compute dtype.
+    """
     cdt = _compute_dtype(x)
     rep = x.shape[2] // B.shape[2]
     x_c, B_c, C_c = x.to(cdt), B.to(cdt), C.to(cdt)
@@ -105,8 +114,8 @@ def mamba3_scan(
     # beta_{t+1} / alpha_{t+1} joins token t's key weight; the diagonal then over-counts it by exactly that.
     beta_next = F.pad(beta_tilde[:, 1:], (0, 0, 0, 1))
     init = _augmented_initial_state(initial_state, beta_tilde[:, 0], rep, cdt)
-    with torch.autocast(x.device.type, enabled=False):  # keep the einsums in the compute dtype
-        y, H = _chunked_ssd(x_c, B_c, C_c, log_decay, gamma + beta_next, init, chunk_size)
+    with torch.autocast(x.device.type, enabled=False):  # operand dtypes are chosen here, not by autocast
+        y, H = _chunked_ssd(x_c, B_c, C_c, log_decay, gamma + beta_next, init, chunk_size, matmul_dtype or cdt)
     diag = _heads((C_c * B_c).sum(-1, keepdim=True), rep)
     y = y - (beta_next[..., None] * diag) * x_c
     y = _skip_and_gate(y, x_c, D, z).to(x.dtype)
@@ -192,13 +201,16 @@ def _pad_time(v: Tensor, pad: int) -> Tensor:
 
 
 def _chunked_ssd(
-    x: Tensor, B: Tensor, C: Tensor, log_decay: Tensor, key_weight: Tensor, init: Tensor | None, L: int
+    x: Tensor, B: Tensor, C: Tensor, log_decay: Tensor, key_weight: Tensor, init: Tensor | None, L: int,
+    mm: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """S_t = exp(log_decay_t) S_{t-1} + key_weight_t x_t B_t^T, y_t = S_t C_t, by chunks of L tokens.
 
     Shapes: x (b,t,h,p), B, C (b,t,g,n), log_decay, key_weight (b,t,h), init (b,h,p,n) or None.
-    Returns y (b,t,h,p) and the state after the last token (b,h,p,n).
+    Returns y (b,t,h,p) and the state after the last token (b,h,p,n), in x's dtype (the compute dtype).
+    `mm` is the operand dtype of the four large contractions; with mm == x.dtype every cast is a no-op.
     """
+    cdt = x.dtype
     b, t, h, p = x.shape
     g, n = B.shape[2:]
     r = h // g
@@ -212,20 +224,21 @@ def _chunked_ssd(
     w = key_weight.view(b, nc, L, g, r).permute(0, 3, 4, 1, 2)
 
     decay = _segsum(a).exp()  # (b, g, r, c, L, L)
-    scores = torch.einsum("bclgn,bcsgn->bgcls", C, B)[:, :, None] * decay * w[..., None, :]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, x)
+    C_mm, B_mm = C.to(mm), B.to(mm)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", C_mm, B_mm).to(cdt)[:, :, None] * decay * w[..., None, :]
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores.to(mm), x.to(mm)).to(cdt)
 
     # Two-operand contractions only: with three, opt_einsum picks a path from the concrete sizes and
     # Dynamo guards on them (the batch axis included), recompiling for every new batch size.
     to_end = decay[..., -1, :] * w  # decay from each token to its chunk's end
     x_to_end = x * to_end.permute(0, 3, 4, 1, 2)[..., None]  # (b, c, s, g, r, p)
-    states = torch.einsum("bcsgrp,bcsgn->bcgrpn", x_to_end, B)
+    states = torch.einsum("bcsgrp,bcsgn->bcgrpn", x_to_end.to(mm), B_mm).to(cdt)
     start = x.new_zeros(b, h, p, n) if init is None else init
     states = torch.cat([start.view(b, 1, g, r, p, n), states], dim=1)
     chunk_decay = _segsum(F.pad(a.sum(-1), (1, 0))).exp()  # (b, g, r, c+1, c+1)
     states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
 
     from_start = a.cumsum(-1).exp()  # decay from the chunk's entering state to each token
-    y_state = torch.einsum("bclgn,bcgrpn->bclgrp", C, states[:, :-1])
+    y_state = torch.einsum("bclgn,bcgrpn->bclgrp", C_mm, states[:, :-1].to(mm)).to(cdt)
     y = y + y_state * from_start.permute(0, 3, 4, 1, 2)[..., None]
     return y.reshape(b, nc * L, h, p)[:, :t], states[:, -1].reshape(b, h, p, n)
