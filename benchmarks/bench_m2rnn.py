@@ -8,18 +8,23 @@ PyTorch reference loop (the same ops with the CUDA kernel disabled).
    and the six gradients, next to max |reference|.
 2. Speed: forward + backward of the M2RNN mixer under bf16 autocast, eager, CUDA events, warmup then the
    median of --iters runs, reference vs Triton. Prints a table last.
+3. With --compare-with FILE (an older m2rnn_triton.py, e.g. from `git show REV:megacpp/ops/m2rnn_triton.py`):
+   the raw scan ops at the bench's full size, that file's kernels against the current ones (max diff of
+   every gradient, forward and backward ms, the backward's peak memory).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from timing import fwd_bwd_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.ops import m2rnn_triton
 from megacpp.ops.m2rnn_scan import _scan_bwd, _scan_fwd
 
 GRADS = ["grad_q", "grad_k", "grad_v", "grad_f", "grad_W", "grad_h0"]
@@ -66,6 +71,29 @@ def check(args: argparse.Namespace, dev: torch.device) -> None:
         print(f"  {name:<8} max |triton - reference| {diff:.3e}   max |reference| {r.abs().max().item():.3e}")
 
 
+def compare_kernels(path: str, args: argparse.Namespace, dev: torch.device) -> None:
+    spec = importlib.util.spec_from_file_location("m2rnn_triton_baseline", path)
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    q, k, v, f, W, h0, grad_y, grad_states = scan_inputs(
+        args.batch, args.seq, args.heads, args.key_dim, args.value_dim, dev)
+    _, states = m2rnn_triton.scan_fwd_triton(q, k, v, f, W, h0)
+    bwd_args = (q, k, v, f, W, h0, states, grad_y, grad_states)
+    old = baseline.scan_bwd_triton(*bwd_args)
+    torch.cuda.reset_peak_memory_stats()
+    new = m2rnn_triton.scan_bwd_triton(*bwd_args)
+    peak_new = torch.cuda.max_memory_allocated() / 2**30
+    print(f"compare: {path} vs current kernels, B{args.batch} x T{args.seq}, float32 scan ops")
+    for name, a, b in zip(GRADS, old, new, strict=True):
+        print(f"  {name:<8} max |current - baseline| {(a - b).abs().max().item():.3e}   "
+              f"max |baseline| {a.abs().max().item():.3e}")
+    for label, module in (("baseline", baseline), ("current", m2rnn_triton)):
+        fwd = median_ms(lambda m=module: m.scan_fwd_triton(q, k, v, f, W, h0), dev, 2, args.iters)
+        bwd = median_ms(lambda m=module: m.scan_bwd_triton(*bwd_args), dev, 2, args.iters)
+        print(f"  {label:<8} scan forward {fwd:.2f} ms, backward {bwd:.2f} ms")
+    print(f"  current backward's peak memory (inputs included): {peak_new:.1f} GiB")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=768)
@@ -77,9 +105,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check-batch", type=int, default=3)
     p.add_argument("--check-seq", type=int, default=512)
+    p.add_argument("--compare-with", metavar="FILE", help="an older m2rnn_triton.py to time against")
     args = p.parse_args()
     dev = torch.device("cuda")
     check(args, dev)
+    if args.compare_with:
+        compare_kernels(args.compare_with, args, dev)
 
     torch.manual_seed(0)
     cfg = M2RNNConfig(n_heads=args.heads, key_dim=args.key_dim, value_dim=args.value_dim)

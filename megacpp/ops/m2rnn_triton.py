@@ -3,9 +3,11 @@
 
 Rows of the state are independent: h[i, :]_t = tanh(f_t h[i, :]_{t-1} W + k_t[i] v_t), so one program
 owns BLOCK_K rows of one (batch row, head) and loops over time with its state tile and W in registers;
-one launch per direction instead of a few per token. Each program writes its rows of every state; the
-quantities that sum over rows (y, grad_v, grad_f, grad_W) go to per-block partial buffers summed after
-the launch, which keeps the result deterministic (no atomics). Everything is fp32; `tl.dot` runs in
+one launch per direction instead of a few per token. Each program writes its rows of every state; y
+(a sum over rows) goes to per-block partial buffers summed after the launch. The backward's loop only
+carries dL/dh back through time and stores dL/dp for every step; grad_v and grad_W (sums over rows,
+batch and time) are batched matmuls over it afterwards, off the sequential chain. No atomics anywhere,
+so results are deterministic. Everything is fp32; `tl.dot` runs in
 "ieee" precision (no TF32) to match the reference's fp32 matmuls.
 
 Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
@@ -57,39 +59,36 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, states_pt
 
 
 @triton.jit
-def _bwd_step(carry, grad_w, h_prev, w_t, ti, b, hd, kb, T, H, B,
-              q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
-              gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr,
+def _bwd_step(carry, h, h_prev, gs, w_t, ti, b, hd, kb, T, H, B,
+              q_ptr, v_ptr, f_ptr, gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr,
               DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
-    """One step back through time ti given h_{ti-1}: stores the per-token grads of this block's rows,
-    returns dL/dh_{ti-1} (before later steps add to it) and the running grad_W."""
+    """One step back through time ti given this block's tiles of h_ti, h_{ti-1} and dL/dh_ti from the
+    states output (gs): stores dL/dp_ti (p the pre-activation) and the per-row sums of this block,
+    returns dL/dh_{ti-1} (before later steps add to it)."""
     rows = kb * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DV)
-    tile = rows[:, None] * DV + cols[None, :]
     tok = (b * T + ti) * H + hd
     step = (ti * H + hd) * B + b
     f = tl.load(f_ptr + tok)
-    k = tl.load(k_ptr + tok * DK + rows)
     v = tl.load(v_ptr + tok * DV + cols)
     q = tl.load(q_ptr + tok * DK + rows)
     gy = tl.load(gy_ptr + step * DV + cols)
-    h = tl.load(states_ptr + step * DK * DV + tile)
-    carry += tl.load(gs_ptr + step * DK * DV + tile) + q[:, None] * gy[None, :]
-    dp = carry * (1.0 - h * h)  # dL/dp_t, p_t the pre-activation
+    carry += gs + q[:, None] * gy[None, :]
+    dp = carry * (1.0 - h * h)
     back = tl.dot(dp, w_t, input_precision="ieee")  # dL/dh_{t-1} / f_t
-    grad_w += tl.dot(tl.trans(h_prev * f), dp, input_precision="ieee")
+    tl.store(dp_ptr + step * DK * DV + rows[:, None] * DV + cols[None, :], dp)
+    # Sums along a row stay inside this program; sums over rows and time (grad_v, grad_W) are batched
+    # matmuls over the stored dp after the launch, off the sequential chain.
     tl.store(gq_ptr + tok * DK + rows, tl.sum(h * gy[None, :], axis=1))
     tl.store(gk_ptr + tok * DK + rows, tl.sum(dp * v[None, :], axis=1))
-    partial = kb * B * T * H + tok
-    tl.store(gv_part_ptr + partial * DV + cols, tl.sum(dp * k[:, None], axis=0))
     # sum(dp * (h_prev W)) = sum(h_prev * (dp W^T)): reuses `back` instead of a second matmul.
-    tl.store(gf_part_ptr + partial, tl.sum(tl.sum(h_prev * back, axis=1), axis=0))
-    return f * back, grad_w
+    tl.store(gf_rows_ptr + tok * DK + rows, tl.sum(h_prev * back, axis=1))
+    return f * back
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
-                gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, gw_part_ptr, gh0_ptr, T, H, B,
+def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
+                gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, gh0_ptr, T, H, B,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
     b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = kb * BLOCK + tl.arange(0, BLOCK)
@@ -97,21 +96,23 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, g
     tile = rows[:, None] * DV + cols[None, :]
     w_t = tl.load(w_ptr + hd * DV * DV + cols[None, :] * DV + cols[:, None])  # W^T
     carry = tl.zeros((BLOCK, DV), dtype=tl.float32)  # dL/dh_t from later steps
-    grad_w = tl.zeros((DV, DV), dtype=tl.float32)
-    # Steps T-1 .. 1 read h_{t-1} from the states; step 0 reads h0 (after the loop).
-    for i in range(T - 1):
-        ti = tl.cast(T - 1 - i, tl.int64)
-        h_prev = tl.load(states_ptr + ((ti - 1) * H * B + hd * B + b) * DK * DV + tile)
-        carry, grad_w = _bwd_step(carry, grad_w, h_prev, w_t, ti, b, hd, kb, T, H, B,
-                                  q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
-                                  gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, DK, DV, BLOCK)
+    # The (t, H, b) tile of step ti; h_{ti-1} of one step is h of the next, and the next step's tiles
+    # are loaded before this step's math so their latency overlaps it (the chain is what bounds a scan).
+    last = tl.cast(T - 1, tl.int64)
+    h = tl.load(states_ptr + ((last * H + hd) * B + b) * DK * DV + tile)
+    gs = tl.load(gs_ptr + ((last * H + hd) * B + b) * DK * DV + tile)
+    h_prev = tl.load(states_ptr + ((tl.maximum(last - 1, 0) * H + hd) * B + b) * DK * DV + tile)
+    for i in range(T - 1):  # steps T-1 .. 1; step 0 reads h0 (after the loop)
+        ti = last - i
+        h_prev_next = tl.load(states_ptr + ((tl.maximum(ti - 2, 0) * H + hd) * B + b) * DK * DV + tile)
+        gs_next = tl.load(gs_ptr + (((ti - 1) * H + hd) * B + b) * DK * DV + tile)
+        carry = _bwd_step(carry, h, h_prev, gs, w_t, ti, b, hd, kb, T, H, B, q_ptr, v_ptr, f_ptr,
+                          gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK)
+        h, h_prev, gs = h_prev, h_prev_next, gs_next
     h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
-    carry, grad_w = _bwd_step(carry, grad_w, h_prev, w_t, tl.cast(0, tl.int64), b, hd, kb, T, H, B,
-                              q_ptr, k_ptr, v_ptr, f_ptr, states_ptr, gy_ptr, gs_ptr,
-                              gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, DK, DV, BLOCK)
+    carry = _bwd_step(carry, h, h_prev, gs, w_t, tl.cast(0, tl.int64), b, hd, kb, T, H, B, q_ptr, v_ptr,
+                      f_ptr, gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK)
     tl.store(gh0_ptr + (hd * B + b) * DK * DV + tile, carry)
-    gw_tile = cols[:, None] * DV + cols[None, :]
-    tl.store(gw_part_ptr + ((b * tl.num_programs(2) + kb) * H + hd) * DV * DV + gw_tile, grad_w)
 
 
 def unsupported_reason(tensors: tuple[Tensor, ...], dk: int, dv: int, b: int, t: int) -> str | None:
@@ -134,10 +135,10 @@ def _check(tensors: tuple[Tensor, ...], q: Tensor, v: Tensor) -> tuple[int, int,
     return b, t, n_heads, dk, dv
 
 
-def _num_warps(dv: int, square_tiles: int) -> int:
-    # Each (dv x dv) tile held in registers (W; W^T and grad_W in the backward) wants ~32 fp32 values
-    # per thread at most: 4 warps up to 64 x 64, 8 beyond.
-    return 4 if square_tiles * dv * dv <= 4096 else 8
+def _num_warps(dv: int) -> int:
+    # The (dv x dv) W tile held in registers wants ~32 fp32 values per thread at most: 4 warps up to
+    # 64 x 64, 8 beyond.
+    return 4 if dv * dv <= 4096 else 8
 
 
 def scan_fwd_triton(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
@@ -148,7 +149,7 @@ def scan_fwd_triton(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: T
     y_part = q.new_empty(n_blocks, t, n_heads, b, dv)
     states = q.new_empty(t, n_heads, b, dk, dv)
     _fwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, y_part, states, t, n_heads, b,
-                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv, 1))
+                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv))
     return y_part.sum(0), states
 
 
@@ -161,15 +162,20 @@ def scan_bwd_triton(
     q, k, v, f, W, h0, states, grad_y, grad_states = (
         x.contiguous() for x in (q, k, v, f, W, h0, states, grad_y, grad_states))
     b, t, n_heads, dk, dv = _check((q, k, v, f, W, h0, states, grad_y, grad_states), q, v)
-    n_blocks = dk // BLOCK_K
     grad_q, grad_k, grad_h0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(h0)
-    gv_part = v.new_empty(n_blocks, b, t, n_heads, dv)
-    gf_part = f.new_empty(n_blocks, b, t, n_heads)
-    gw_part = W.new_empty(b, n_blocks, n_heads, dv, dv)
-    _bwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, states, grad_y, grad_states,
-                                        grad_q, grad_k, gv_part, gf_part, gw_part, grad_h0, t, n_heads, b,
-                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv, 2))
-    return grad_q, grad_k, gv_part.sum(0), gf_part.sum(0), gw_part.sum((0, 1)), grad_h0
+    grad_f_rows = torch.empty_like(q)  # (b, t, H, dk): grad_f before the sum over rows
+    grad_pre = torch.empty_like(states)  # dL/dp for every step, (t, H, b, dk, dv)
+    _bwd_kernel[(b, n_heads, dk // BLOCK_K)](q, v, f, W, h0, states, grad_y, grad_states,
+                                             grad_q, grad_k, grad_f_rows, grad_pre, grad_h0, t, n_heads, b,
+                                             DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv))
+    # grad_v[b, t, H] = k^T dp and grad_W[H] = sum over (t, b) of f_t h_{t-1}^T dp_t, as batched matmuls
+    # over (t, H): rows of b and dk are contracted together, so no operand needs a transposing copy.
+    k_thb = k.permute(1, 2, 0, 3).unsqueeze(-2)  # (t, H, b, 1, dk)
+    grad_v = torch.matmul(k_thb, grad_pre).squeeze(-2).permute(2, 0, 1, 3).contiguous()
+    scaled = grad_pre.mul_(f.permute(1, 2, 0)[..., None, None])  # f_t dp_t, in place: dp is done
+    grad_w = torch.matmul(states[:-1].flatten(2, 3).transpose(-1, -2), scaled[1:].flatten(2, 3)).sum(0)
+    grad_w += torch.matmul(h0.flatten(1, 2).transpose(-1, -2), scaled[0].flatten(1, 2))
+    return grad_q, grad_k, grad_v, grad_f_rows.sum(-1), grad_w, grad_h0
 
 
 def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
