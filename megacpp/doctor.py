@@ -33,6 +33,8 @@ PROMISES: list[tuple[str, str, str]] = [
      "tests/test_hybrid.py::test_tier3_atol_1e4_decode_matches_forward"),
     ("tier 3 tolerance", "packed documents vs each document alone (fp32, |diff| <= 1e-4)",
      "tests/test_hybrid.py::test_tier3_atol_1e4_packed_documents_isolated"),
+    ("tier 3 tolerance", "opt-in bf16 Mamba-3 scan matmuls vs the fp64 reference (<= 4 bf16 roundoffs)",
+     "tests/test_mamba3_scan.py::test_tier3_bf16_matmul_gradients_match_sequential_float64"),
     ("statistical only", "GPU fast path: attention backward and atomics-based reductions vary run to run",
      "BENCHMARKS.md (run-to-run loss spread)"),
     ("statistical only", "multi-GPU collective reduction order", "(not yet built)"),
