@@ -7,8 +7,8 @@ one launch per direction instead of a few per token. Each program writes its row
 (a sum over rows) goes to per-block partial buffers summed after the launch. The backward's loop only
 carries dL/dh back through time and stores dL/dp for every step; grad_v and grad_W (sums over rows,
 batch and time) are batched matmuls over it afterwards, off the sequential chain. No atomics anywhere,
-so results are deterministic. Everything is fp32; `tl.dot` runs in
-"ieee" precision (no TF32) to match the reference's fp32 matmuls.
+so results are deterministic. Everything is fp32; `tl.dot` runs in "ieee" precision (no TF32) to
+match the reference's fp32 matmuls.
 
 Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
 (`unsupported_reason` says why not; `with_fallback` sends such calls to the reference).
