@@ -112,6 +112,7 @@ def test_tier3_matches_naive_reference(heads: tuple[int, int], softcap: float, q
 def test_tier3_documents_equal_running_them_alone(
     heads: tuple[int, int], softcap: float, backend: str, device: str
 ) -> None:
+    """Breaks when the forward ignores doc_ids (plain causal mask): later documents attend to earlier ones."""
     module = make(2, *heads, softcap=softcap, backend=backend).to(device)
     x = rand(3, 2, len(DOC_IDS), D_MODEL).to(device)
     doc_ids = torch.tensor([DOC_IDS, DOC_IDS], device=device)

@@ -86,6 +86,7 @@ def test_tier3_engram_matches_loop_reference(gate: bool, with_docs: bool) -> Non
 
 
 def test_tier3_engram_documents_equal_running_them_alone() -> None:
+    """Breaks when positions ignore doc_ids (windows reach back across a document start)."""
     module = make_engram(3, gate=True)
     x = rand(4, 2, len(DOC_IDS), D_MODEL)
     packed = module(x, torch.tensor([DOC_IDS] * 2))
@@ -161,6 +162,7 @@ def test_tier1_ngram_ids_match_reference_and_are_pinned() -> None:
 
 
 def test_tier1_ngram_documents_hash_alone_and_packed() -> None:
+    """Breaks when positions ignore doc_ids: a document's first n-grams hash the previous document's tokens."""
     module = make_ngram(12)
     seq = tokens(13, 2, len(DOC_IDS))
     packed = module.hash_ids(seq, torch.tensor([DOC_IDS] * 2))

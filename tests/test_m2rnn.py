@@ -185,6 +185,7 @@ def test_tier3_forward_step_equals_forward():
 
 
 def test_tier3_mixer_doc_ids_isolate_documents():
+    """Breaks when _keep_mask keeps every step (f never zeroed at a start): the second document sees the first."""
     m = make_mixer(2)
     x = torch.randn(1, 6, D, dtype=torch.float64)
     y = m(x, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))

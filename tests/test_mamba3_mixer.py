@@ -64,6 +64,7 @@ def test_tier3_forward_step_mutates_cache_in_place():
 
 
 def test_tier3_packed_documents_are_isolated():
+    """Breaks when the scan sees no document starts (doc_boundaries all False): state leaks across documents."""
     mixer = make_mixer(5)
     x = tokens(1, 30, seed=6)
     bounds = [0, 7, 8, 19, 30]

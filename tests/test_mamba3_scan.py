@@ -117,6 +117,7 @@ def _slice(inp: dict, start: int, stop: int) -> dict:
 
 @pytest.mark.parametrize("with_initial_state", [False, True])
 def test_tier3_doc_resets_equal_separate_runs(with_initial_state):
+    """Breaks when doc_boundaries finds no starts (no -inf log-decay, beta kept): the state crosses documents."""
     inp = make_inputs(1, 37, 4, 2, torch.float64, seed=11)
     bounds = [0, 5, 6, 21, 37]  # includes a one-token document and a boundary inside a chunk
     doc_ids = documents(bounds)

@@ -117,6 +117,8 @@ def test_tier1_dispatch_slots_positions_by_token_then_slot():
 
 
 def test_tier3_rows_independent_even_with_overflow():
+    """Breaks when dispatch ranks assignments across the whole batch (a batch-wide capacity): a row's drops
+    then depend on the rows before it."""
     m = make_moe(seed=15, capacity_factor=0.5)
     x = torch.randn(3, 8, D, dtype=torch.float64)
     y = m(x)
