@@ -17,6 +17,7 @@ from typing import Any
 
 from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
+from megacpp.dist.config import DistConfig
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
 from megacpp.train.config import TrainConfig
@@ -34,6 +35,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 class ConfigError(ValueError):

@@ -64,6 +64,8 @@ def nam52() -> Config:
     cfg.train.batch_size = 4
     cfg.train.steps = 50000
     cfg.train.out_dir = "runs/nam52"
+    # 6.5B parameters: keeping every gathered block resident would cost ~26 GB of fp32 weights per GPU.
+    cfg.dist.reshard_after_forward = True
     cfg.data.vocab_size = 65536
     return cfg
 

@@ -1,0 +1,28 @@
+"""Multi-GPU configuration: FSDP2 sharding, timeouts that separate a slow compile from a hang."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class DistConfig:
+    # FSDP2: free each block's gathered weights after its forward and gather them again for the
+    # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
+    # whole model resident; on (nam52) trades a second all-gather for memory.
+    reshard_after_forward: bool = False
+    # dtype of the all-gathered weights the blocks compute with. float32 keeps the fp32 router and
+    # Mamba-3's fp32 per-head parameters exact; bfloat16 halves the all-gather bytes (opt-in).
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Process-group timeout until warmup ends: ranks compile at different speeds (a cold compile of
+    # `small` lags a warm one by a minute), so collectives must outwait the slowest compile.
+    init_timeout_s: float = 7200.0
+    # After warmup: the process-group timeout and the step watchdog. A step (or evaluation, or
+    # checkpoint) that makes no progress for this long dumps every thread's stack and ends the job.
+    step_timeout_s: float = 600.0
+    # Steps between cross-rank checks of replicated state (buffers, loader, schedule); 0 = only at
+    # checkpoints. Costs one small all-gather.
+    fingerprint_every: int = 100
+    # Resuming with another global batch (ranks x batch_size) reads a different token stream; refuse
+    # unless this is set (the loader then continues from the same number of rows consumed).
+    allow_global_batch_change: bool = False
