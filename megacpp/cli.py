@@ -59,9 +59,9 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.train.loop import train
 
     result = train(cfg, resume=args.resume, progress=not args.no_progress)
-    summary = (f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
-               f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
-    print(summary)
+    if result.rank == 0:
+        print(f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
+              f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
     return 0
 
 

@@ -41,7 +41,7 @@ PROMISES: list[tuple[str, str, str]] = [
 ]
 
 
-def _version(module: str) -> str:
+def package_version(module: str) -> str:
     try:
         return getattr(importlib.import_module(module), "__version__", "installed")
     except ImportError:
@@ -58,13 +58,14 @@ def _devices() -> list[str]:
     return out
 
 
-def _kernels() -> list[str]:
-    """Which fast paths load here; each has a pure-PyTorch reference it falls back to."""
+def kernel_report() -> list[str]:
+    """Which fast paths load here; each has a pure-PyTorch reference it falls back to. The multi-GPU
+    parity check compares these lines across ranks: ranks must run the same kernels."""
     from megacpp.compile.versions import supports
 
     flex = "available on CUDA" if supports("flex_attention") else "fallback: SDPA with a dense mask"
     rows = [f"FlexAttention (document masks, soft-cap): {flex}; CPU always uses SDPA with a mask"]
-    triton = _version("triton")
+    triton = package_version("triton")
     rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
                                          else "not used (CPU or not installed)"))
     from megacpp.ops import m2rnn_scan
@@ -83,15 +84,15 @@ def doctor_report(cfg: Config) -> str:
     lines = [
         "versions",
         f"  python {sys.version.split()[0]} ({platform.platform()})",
-        f"  torch {torch_version()}, CUDA {torch.version.cuda or 'none'}, triton {_version('triton')}",
-        f"  tokenizers {_version('tokenizers')}, safetensors {_version('safetensors')}, numpy {_version('numpy')}",
+        f"  torch {torch_version()}, CUDA {torch.version.cuda or 'none'}, triton {package_version('triton')}",
+        "  " + ", ".join(f"{name} {package_version(name)}" for name in ("tokenizers", "safetensors", "numpy")),
         "devices",
         *(f"  {d}" for d in _devices()),
         "caches",
         f"  data and tokenizers: {default_cache_dir()}",
         *(f"  {line}" for line in describe_cache_dirs(cfg.compile)),
         "kernels",
-        *(f"  {k}" for k in _kernels()),
+        *(f"  {k}" for k in kernel_report()),
         "determinism promises (test that backs each)",
         *(f"  {tier:<17} {what}\n  {'':<17} -> {test}" for tier, what, test in PROMISES),
     ]

@@ -30,6 +30,18 @@ def write_corpus(root, n_files: int = 60, seed: int = 0) -> None:
 
 def tiny_train_config(tmp_path, corpus, **overrides: str) -> Config:
     """Every block kind at toy width; 300-token vocabulary; no compile, no TensorBoard."""
+    cfg: Config = preset("tiny")
+    return apply_overrides(cfg, list(tiny_overrides(tmp_path, corpus, **overrides).items()))
+
+
+def tiny_train_args(tmp_path, corpus, **overrides: str) -> list[str]:
+    """`tiny_train_config` as `megacpp train` command-line arguments."""
+    return ["train", "--no-progress", "--preset", "tiny",
+            *(arg for key, value in tiny_overrides(tmp_path, corpus, **overrides).items()
+              for arg in (f"--{key}", value))]
+
+
+def tiny_overrides(tmp_path, corpus, **overrides: str) -> dict[str, str]:
     base = {
         "model.d_model": "32", "model.depth": "5",
         "model.attention.n_heads": "2", "model.attention.n_kv_heads": "1", "model.attention.head_dim": "16",
@@ -45,8 +57,7 @@ def tiny_train_config(tmp_path, corpus, **overrides: str) -> Config:
         "train.sample_tokens": "8", "train.tensorboard": "false", "compile.mode": "none",
     }
     base.update(overrides)
-    cfg: Config = preset("tiny")
-    return apply_overrides(cfg, list(base.items()))
+    return base
 
 
 def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:

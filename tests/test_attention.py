@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from megacpp.model.attention import Attention, AttentionConfig, attend_flex, attend_sdpa
+from megacpp.model.hints import collect_param_hints
 from megacpp.model.rope import rope_table
 
 D_MODEL = 32
@@ -188,9 +189,9 @@ def test_tier1_qk_clip_weight_mode_leaves_forward_unchanged() -> None:
     assert "logit_bound" not in weight.state_dict()  # non-persistent
 
 
-def test_qkv_split_sizes_tag_and_init() -> None:
+def test_qkv_split_sizes_hint_and_init() -> None:
     module = Attention(D_MODEL, AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8), layer_idx=0)
-    sizes = module.qkv.weight._qkv_split_sizes
+    sizes = collect_param_hints(module)["qkv.weight"].qkv_split
     assert sizes == (32, 16, 16) and sum(sizes) == module.qkv.weight.shape[0]
     assert (module.n_heads, module.n_kv_heads, module.head_dim) == (4, 2, 8)
     assert torch.equal(module(rand(15, 1, 5, D_MODEL)), torch.zeros(1, 5, D_MODEL))  # zero out proj

@@ -2,29 +2,75 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
+from megacpp.dist import checkpoint as dist_checkpoint
+from megacpp.dist.context import DistContext
 from megacpp.train.checkpoint import (
     CheckpointError,
     check_compatible,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
 )
 
 
+def _model(step: float) -> nn.Linear:
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(step)
+        model.bias.copy_(torch.arange(3.0))
+    return model
+
+
+def _moments(step: float) -> dict[str, torch.Tensor]:
+    return {"adamw/weight/exp_avg": torch.full((3, 4), 2 * step), "adamw/weight/step": torch.tensor(step)}
+
+
 def _save(tmp_path, step, keep_last=3):
-    model = {"w": torch.full((3, 4), float(step)), "b": torch.arange(4.0)}
-    return save_checkpoint(tmp_path, step, model, {"step": step, "x": torch.tensor([step])},
-                           {"config": {"model": {"depth": 4}}, "tokenizer_hash": "abc"}, keep_last)
+    return dist_checkpoint.save(DistContext(), tmp_path, step, _model(step), _moments(step),
+                                {"step": step, "x": torch.tensor([step])},
+                                {"config": {"model": {"depth": 4}}, "tokenizer_hash": "abc"}, keep_last)
 
 
 def test_tier1_round_trip(tmp_path):
     path = _save(tmp_path, 5)
     model, state, meta = load_checkpoint(path)
-    assert torch.equal(model["w"], torch.full((3, 4), 5.0))
+    assert torch.equal(model["weight"], torch.full((3, 4), 5.0))
     assert torch.equal(state["x"], torch.tensor([5]))
     assert meta["step"] == 5 and meta["tokenizer_hash"] == "abc"
+    fresh, moments = _model(0.0), _moments(0.0)
+    train_state, _ = dist_checkpoint.load(DistContext(), path, fresh, moments)
+    assert torch.equal(fresh.weight, torch.full((3, 4), 5.0)) and torch.equal(fresh.bias, torch.arange(3.0))
+    assert all(torch.equal(moments[k], v) for k, v in _moments(5.0).items())
+    assert train_state["step"] == 5
+    assert any(name.startswith("optim/") for name in meta["files"]), "moments are hashed like every file"
+
+
+def test_corrupt_moments_file_is_detected(tmp_path):
+    path = _save(tmp_path, 4)
+    shard = next((path / "optim").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optim/.*corrupt"):
+        load_checkpoint(path)
+
+
+def test_failed_write_raises_and_keeps_previous_checkpoints(tmp_path, monkeypatch):
+    """A write error (full disk, unwritable file) names the phase, removes the half-written
+    directory and leaves the earlier checkpoints as they were."""
+    good = _save(tmp_path, 1)
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dist_checkpoint, "write_local_files", disk_full)
+    with pytest.raises(CheckpointError, match=r"step 2 was not saved \(writing weights.*No space left"):
+        _save(tmp_path, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [good.name]
+    assert not (tmp_path / "checkpoints" / "step_00000002.tmp").exists()
+    load_checkpoint(good)
 
 
 def test_keeps_last_k_newest_first(tmp_path):

@@ -4,10 +4,10 @@ import torch
 
 from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles
 from megacpp.compile.config import CompileConfig
+from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.moe import MoE
 from megacpp.optim import OptimConfig, build_optimizers
-from megacpp.train.runtime import after_optimizer_step
 from tests.test_hybrid import shrunk
 
 
@@ -54,7 +54,7 @@ def test_thirty_training_steps_without_recompiles():
             with forbid_recompiles() if step > 0 else torch.enable_grad():
                 model(*batch).backward()
                 stack.step()
-            after_optimizer_step(model)
+            run_after_optimizer_step(model)
             stack.zero_grad()
             biases.append(moe.expert_bias.clone())
             lrs.append(stack.muon.param_groups[0]["lr"].item())

@@ -147,10 +147,43 @@ def test_tier1_resume_gives_identical_batches(data, stop):
             assert torch.equal(a, b), f"step {step} differs after resuming at {k}"
 
 
+def test_tier1_state_from_two_ranks_resumes_on_one_rank_with_the_same_global_batch(data):
+    """2 ranks x B save their (identical) state mid-epoch; 1 rank x 2B loads it and reads exactly the
+    rows the two ranks would have read next, in rank order. Breaks if the state records the world size
+    instead of the global batch, or if the position is counted per rank."""
+    shards, world = data.shards, 2
+    ranks = [PackedLoader(shards, B, T, rank=r, world_size=world, seed=5) for r in range(world)]
+    for _ in range(3):
+        for r in ranks:
+            next(r)
+    states = [r.state_dict() for r in ranks]
+    assert states[0] == states[1], "every rank holds the same loader state"
+    single = PackedLoader(shards, B * world, T, seed=5)
+    single.load_state_dict(json.loads(json.dumps(states[0])))
+    for _ in range(ranks[0].steps_per_epoch + 2):  # across the epoch boundary
+        whole, parts = next(single), [next(r) for r in ranks]
+        for i in range(3):
+            assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+
+
+def test_another_global_batch_is_refused_unless_allowed(data):
+    loader = PackedLoader(data.shards, B, T, seed=5)
+    for _ in range(4):
+        next(loader)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=r"global batch .* was 4 rows, now 8"):
+        PackedLoader(data.shards, 2 * B, T, seed=5).load_state_dict(state)
+    wider = PackedLoader(data.shards, 2 * B, T, seed=5)
+    wider.load_state_dict(state, allow_global_batch_change=True)
+    assert (wider.epoch, wider.step) == (0, 2), "the same 16 rows consumed, in steps of 8"
+
+
 def test_resume_rejects_a_different_stream(data):
     state = PackedLoader(data.shards, B, T).state_dict()
     with pytest.raises(ValueError, match="seq_len"):
         PackedLoader(data.shards, B, T * 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="global batch"):
+        PackedLoader(data.shards, B * 2, T).load_state_dict(state)
     with pytest.raises(ValueError, match="data_key"):
         PackedLoader(data.shards, B, T).load_state_dict({**state, "data_key": "other"})
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from megacpp.model.engram import WINDOWS, Engram, EngramConfig, NgramHashEmbedding, is_prime
+from megacpp.model.hints import collect_param_hints
 
 D_MODEL, DIM, VOCAB = 16, 8, 50
 FP32_TOL = 200 * torch.finfo(torch.float32).eps  # fp32 module vs float64 reference, O(1) outputs
@@ -110,7 +111,7 @@ def test_tier1_engram_zero_init_outputs_zeros(gate: bool) -> None:
     module = Engram(D_MODEL, EngramConfig(dim=DIM, gate=gate), layer_idx=0)
     x = rand(7, 2, 5, D_MODEL)
     assert torch.equal(module(x, torch.tensor([[0, 0, 1, 1, 1]] * 2)), torch.zeros_like(x))
-    assert module.mix._optim_group == "adamw"
+    assert collect_param_hints(module)["mix"].optimizer == "adamw"
 
 
 def test_tier1_engram_compile_fullgraph_no_breaks() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
+from megacpp.model.hints import collect_param_hints
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
 
@@ -193,13 +194,14 @@ def test_tier3_mixer_doc_ids_isolate_documents():
     torch.testing.assert_close(y[:, :3], m(x[:, :3]), **F64_TOL)
 
 
-def test_tier1_init_and_tags():
+def test_tier1_init_and_hints():
     torch.manual_seed(0)
     m = M2RNN(D, M2RNNConfig(n_heads=H, key_dim=DK, value_dim=DV), layer_idx=0)
     assert not m.out_proj.weight.any() and not m(torch.randn(1, 3, D)).any()
     assert torch.equal(m.W, torch.eye(DV).expand(H, DV, DV))
-    assert m.qkv.weight._qkv_split_sizes == (H * DK, H * DK, H * DV)
-    assert m.a_proj.weight._optim_group == "adamw"
+    hints = collect_param_hints(m)
+    assert hints["qkv.weight"].qkv_split == (H * DK, H * DK, H * DV)
+    assert hints["a_proj.weight"].optimizer == "adamw"
     assert m.A_log.ndim == 1 and m.dt_bias.ndim == 1 and m.W.ndim == 3
     A = m.A_log.exp()
     assert bool(((A >= 1.0) & (A <= 16.0)).all())

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megacpp.model.hints import collect_param_hints
 from megacpp.model.mamba3 import Mamba3, Mamba3Config, _rotate, _segmented_cumsum
 from megacpp.model.mamba3_convert import (
     config_from_mamba_ssm,
@@ -194,10 +195,11 @@ def test_tier1_reset_parameters_follows_reference_init():
     assert torch.equal(mixer(tokens(1, 5, seed=18)), torch.zeros(1, 5, D_MODEL))
 
 
-def test_tier1_optimizer_tags():
+def test_tier1_optimizer_hints():
     mixer = make_mixer(19)
-    tagged = {name for name, p in mixer.named_parameters() if getattr(p, "_optim_group", None) == "adamw"}
-    assert tagged == {"B_bias", "C_bias"}
+    hints = collect_param_hints(mixer)
+    assert {name for name, h in hints.items() if h.optimizer == "adamw"} == {"B_bias", "C_bias"}
+    assert all(h.no_decay for h in hints.values())
 
 
 # Parameter names and shapes of mamba_ssm 2.3.2 `Mamba3` (SISO, is_outproj_norm=False), derived by

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from megacpp.model.hints import collect_param_hints, reduced_buffers
 from megacpp.model.moe import MoE, MoEConfig, dispatch_slots, expert_capacity, token_choice_route
 
 D = 8
@@ -245,10 +246,12 @@ def test_tier3_forward_step_equals_forward_and_cache_empty():
     torch.testing.assert_close(steps, m(x), **F64_TOL)
 
 
-def test_tier1_init_tags_and_buffers():
+def test_tier1_init_hints_and_buffers():
     m = MoE(D, MoEConfig(n_experts=4, top_k=2, expert_hidden=16), layer_idx=3)
-    assert m.gate.weight._optim_group == "adamw"
-    assert m.w_up._muon_lr_scaling == "match_rms_adamw" and m.w_down._muon_lr_scaling == "match_rms_adamw"
+    hints = collect_param_hints(m)
+    assert hints["gate.weight"].optimizer == "adamw"
+    assert hints["w_up"].lr_scaling == "match_rms_adamw" and hints["w_down"].lr_scaling == "match_rms_adamw"
+    assert {name: how for name, _, how in reduced_buffers(m)} == {"tokens_per_expert": "sum", "overflow": "sum"}
     assert m.w_up.shape == (4, D, 16) and m.w_down.shape == (4, 16, D)
     assert not m.w_down.any() and not m.shared_down.weight.any()
     assert not m(torch.randn(1, 3, D)).any()  # zero output projections -> zero output at init

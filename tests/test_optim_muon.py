@@ -80,24 +80,22 @@ def _expected_plain(p0: torch.Tensor, grad: torch.Tensor, ratio: float, **orth_k
     return torch.addcmul(p0 * 1.0, orthogonalize(grad, **orth_kw).float(), -step)
 
 
-def test_tier1_per_parameter_lr_scaling_tag() -> None:
+def test_tier1_per_group_lr_scaling() -> None:
     gen = torch.Generator().manual_seed(1)
     a, b = (nn.Parameter(torch.randn(48, 16, generator=gen)) for _ in range(2))
-    b._muon_lr_scaling = "match_rms_adamw"
     a0, b0 = a.detach().clone(), b.detach().clone()
     a.grad, b.grad = torch.randn(48, 16, generator=gen), torch.randn(48, 16, generator=gen)
-    _plain([a, b]).step()
+    _plain([{"params": [a]}, {"params": [b], "lr_scaling": "match_rms_adamw"}]).step()
     assert torch.equal(a, _expected_plain(a0, a.grad, lr_ratio(a.shape, "original")))
     assert torch.equal(b, _expected_plain(b0, b.grad, lr_ratio(b.shape, "match_rms_adamw")))
 
 
-def test_tier1_split_qkv_tag_is_honoured() -> None:
+def test_tier1_split_qkv_group_is_honoured() -> None:
     gen = torch.Generator().manual_seed(2)
     w = nn.Parameter(torch.randn(64, 32, generator=gen))
-    w._qkv_split_sizes = (32, 16, 16)
     w0 = w.detach().clone()
     w.grad = torch.randn(64, 32, generator=gen)
-    _plain([w]).step()
+    _plain([w], split_sizes=(32, 16, 16)).step()
     assert torch.equal(w, _expected_plain(w0, w.grad, lr_ratio(w.shape, "original"), split_sizes=(32, 16, 16)))
     assert not torch.equal(w, _expected_plain(w0, w.grad, lr_ratio(w.shape, "original")))
 
@@ -201,14 +199,10 @@ def test_tier1_load_state_dict_keeps_hparam_tensor_identity() -> None:
     assert opt.param_groups[0]["lr"] is lr_tensor and lr_tensor.item() == 0.5
 
 
-def test_tier1_rejects_vectors_and_bad_tags() -> None:
+def test_tier1_rejects_vectors_and_bad_group_settings() -> None:
     with pytest.raises(ValueError, match="ndim"):
         Muon([nn.Parameter(torch.randn(8))])
-    w = nn.Parameter(torch.randn(10, 4))
-    w._qkv_split_sizes = (4, 4)
     with pytest.raises(ValueError, match="rows"):
-        Muon([w])
-    v = nn.Parameter(torch.randn(10, 4))
-    v._muon_lr_scaling = "spectral"
+        Muon([nn.Parameter(torch.randn(10, 4))], split_sizes=(4, 4))
     with pytest.raises(ValueError, match="lr scaling"):
-        Muon([v])
+        Muon([nn.Parameter(torch.randn(10, 4))], lr_scaling="spectral")

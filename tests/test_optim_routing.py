@@ -1,10 +1,11 @@
-"""Parameter routing of a stand-in tiny hybrid, tags, errors, and the routing table."""
+"""Parameter routing of a stand-in tiny hybrid, parameter hints, errors, and the routing table."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
+from megacpp.model.hints import ParamHint, collect_param_hints
 from megacpp.optim import OptimConfig, build_optimizers, route_parameters
 from tests.test_optim_standins import TinyHybrid
 
@@ -34,9 +35,9 @@ def test_tier1_tiny_hybrid_routes() -> None:
         "blocks.0.mixer.out.weight": "muon:original",
         "blocks.1.mixer.in_proj.weight": "muon:original",
         "blocks.1.mixer.decay": "adamw:other",  # 1-D
-        "blocks.1.mixer.bc_bias": "adamw:other",  # 2-D, tagged _optim_group="adamw"
+        "blocks.1.mixer.bc_bias": "adamw:other",  # 2-D, hinted optimizer="adamw"
         "blocks.1.engram.0.weight": "muon:original",
-        "blocks.2.mixer.gate.weight": "adamw:other",  # router gate, tagged
+        "blocks.2.mixer.gate.weight": "adamw:other",  # router gate, hinted
         "blocks.2.mixer.w_up": "muon:match_rms_adamw",  # stacked experts
         "blocks.2.mixer.w_down": "muon:match_rms_adamw",
         "blocks.3.mixer.fc_in.weight": "muon:original",
@@ -46,10 +47,10 @@ def test_tier1_tiny_hybrid_routes() -> None:
         assert groups[name] == group, name
 
 
-def test_tier1_stacked_default_scaling_and_tag_override() -> None:
+def test_tier1_stacked_default_scaling_and_hint_override() -> None:
     model = TinyHybrid()
-    del model.blocks[2].mixer.w_up._muon_lr_scaling  # untagged stacked weight: expert_lr_scaling default
-    model.blocks[3].mixer.fc_in.weight._muon_lr_scaling = "match_rms_adamw"
+    del model.blocks[2].mixer.param_hints["w_up"]  # unhinted stacked weight: expert_lr_scaling default
+    model.blocks[3].mixer.param_hints = {"fc_in.weight": ParamHint(lr_scaling="match_rms_adamw")}
     cfg = OptimConfig(expert_lr_scaling="original", muon_lr_scaling="original")
     groups = _groups(model, cfg)
     assert groups["blocks.2.mixer.w_up"] == "muon:original"
@@ -57,11 +58,11 @@ def test_tier1_stacked_default_scaling_and_tag_override() -> None:
     assert groups["blocks.3.mixer.fc_in.weight"] == "muon:match_rms_adamw"
 
 
-def test_tier1_muon_tag_forces_muon_and_rejects_vectors() -> None:
+def test_tier1_muon_hint_forces_muon_and_rejects_vectors() -> None:
     model = TinyHybrid()
-    model.lm_head.weight._optim_group = "muon"
+    model.lm_head.param_hints = {"weight": ParamHint(optimizer="muon")}
     assert _groups(model)["lm_head.weight"] == "muon:original"
-    model.norm_f.weight._optim_group = "muon"
+    model.norm_f.param_hints = {"weight": ParamHint(optimizer="muon")}
     with pytest.raises(ValueError, match="norm_f.weight"):
         _groups(model)
 
@@ -71,8 +72,42 @@ def test_tier1_unroutable_parameter_errors_naming_it() -> None:
     model.blocks[0].register_parameter("stray", nn.Parameter(torch.zeros(4, 4)))
     with pytest.raises(ValueError, match=r"blocks\.0\.stray"):
         build_optimizers(model, OptimConfig(), log=None)
-    model.blocks[0].stray._optim_group = "adamw"
+    model.blocks[0].param_hints = {"stray": ParamHint(optimizer="adamw")}
     assert _groups(model)["blocks.0.stray"] == "adamw:other"
+
+
+def test_tier1_hint_naming_no_parameter_is_an_error() -> None:
+    """A misspelt hint would silently route by the defaults; it names the module and the key."""
+    model = TinyHybrid()
+    model.blocks[2].mixer.param_hints = {"w_upp": ParamHint(lr_scaling="original")}
+    with pytest.raises(ValueError, match=r"TinyMoE declares a hint for 'w_upp'"):
+        collect_param_hints(model)
+
+
+def test_tier1_hints_are_read_by_name_not_from_parameter_objects() -> None:
+    """Replacing every Parameter object (as FSDP2's fully_shard does) keeps every route, because the
+    hints were collected by name before the replacement."""
+    model = TinyHybrid()
+    hints = collect_param_hints(model)
+    before = {r.name: (r.group, r.hint) for r in route_parameters(model, OptimConfig(), hints)}
+    for module in model.modules():
+        for local, p in list(module.named_parameters(recurse=False)):
+            setattr(module, local, nn.Parameter(p.detach().clone()))
+    after = {r.name: (r.group, r.hint) for r in route_parameters(model, OptimConfig(), hints)}
+    assert after == before
+    assert before["blocks.0.mixer.qkv.weight"][1].qkv_split == (32, 16, 16)
+
+
+def test_tier1_norms_biases_and_hinted_tables_are_never_decayed() -> None:
+    cfg = OptimConfig(weight_decay=0.1, adamw_weight_decay=0.01)
+    stack = build_optimizers(TinyHybrid(), cfg, log=None)
+    # Each optimizer holds its hyperparameters as 0-D tensors of its own dtype (AdamW fp32, Muon fp64).
+    decay = {g["name"]: g["weight_decay"] for opt in stack.optimizers for g in opt.param_groups}
+    expected = {"adamw:other:no_decay": 0.0, "adamw:other": 0.01, "adamw:embed": 0.01, "muon:original": 0.1}
+    for name, value in expected.items():
+        assert torch.equal(decay[name], torch.tensor(value, dtype=decay[name].dtype)), name
+    no_decay = next(g for g in stack.adamw.param_groups if g["name"] == "adamw:other:no_decay")
+    assert all(p.ndim == 1 for p in no_decay["params"])
 
 
 def test_tier1_wrapper_prefixes_are_ignored() -> None:
@@ -94,7 +129,7 @@ def test_tier1_group_learning_rates() -> None:
     stack = build_optimizers(TinyHybrid(), cfg, log=None)
     base = {g["name"]: g["base_lr"] for opt in stack.optimizers for g in opt.param_groups}
     assert base == {"muon:original": 0.03, "muon:match_rms_adamw": 2e-3, "adamw:embed": 0.1,
-                    "adamw:head": 4e-3, "adamw:other": 2e-3}
+                    "adamw:head": 4e-3, "adamw:other": 2e-3, "adamw:other:no_decay": 2e-3}
 
 
 def test_tier1_routing_table_printed_with_counts_and_state_bytes() -> None:

@@ -143,15 +143,19 @@ def test_tier1_resume_is_bitwise() -> None:
     _train(model, stack, steps=3)
     saved_model = copy.deepcopy(model.state_dict())
     buffer = io.BytesIO()
-    torch.save(stack.state_dict(), buffer)  # the checkpoint format: weights_only-loadable
+    torch.save((stack.state_dict(), stack.moments()), buffer)  # the checkpoint's parts: weights_only-loadable
     buffer.seek(0)
-    saved_stack = torch.load(buffer, weights_only=True)
+    saved_stack, saved_moments = torch.load(buffer, weights_only=True)
     _train(model, stack, steps=4, first_batch=3)
 
     model2 = _with_clip(_model(seed=1), "weight")  # different init: everything must come from the checkpoint
     model2.load_state_dict(saved_model)
     stack2 = build_optimizers(model2, cfg, total_steps=8, log=None)
     stack2.load_state_dict(saved_stack)
+    live = stack2.moments()
+    assert live.keys() == saved_moments.keys()
+    for key, value in saved_moments.items():
+        live[key].copy_(value)
     assert stack2.scheduler.position == 3
     saved_max = saved_stack["clip"]["metrics"]["muon_clip/max_logit"]
     assert torch.equal(stack2.clip.metrics["muon_clip/max_logit"], saved_max)

@@ -2,7 +2,7 @@
 
 TinyAttention follows the MuonClip hook contract (qkv rows [q heads | k heads | v heads], query head h
 uses kv head h // (n_heads / n_kv_heads), per-head `logit_bound` written in the forward without a host
-sync). TinyHybrid follows the HybridLM surface names and the parameter-tag contract. The tests at the
+sync). TinyHybrid follows the HybridLM surface names and the parameter-hint contract. The tests at the
 bottom check the stand-ins themselves.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
+
 
 class TinyAttention(nn.Module):
     def __init__(self, d_model: int = 32, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 8) -> None:
@@ -20,7 +22,7 @@ class TinyAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
         self.qkv = nn.Linear(d_model, q_rows + 2 * kv_rows, bias=False)
-        self.qkv.weight._qkv_split_sizes = (q_rows, kv_rows, kv_rows)
+        self.param_hints = {"qkv.weight": ParamHint(qkv_split=(q_rows, kv_rows, kv_rows))}
         self.out = nn.Linear(q_rows, d_model, bias=False)
         self.register_buffer("logit_bound", torch.zeros(n_heads), persistent=False)
 
@@ -69,11 +71,11 @@ class TinyMoE(nn.Module):
     def __init__(self, d_model: int, hidden: int, n_experts: int = 3) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, n_experts, bias=False)
-        self.gate.weight._optim_group = "adamw"
         self.w_up = nn.Parameter(torch.randn(n_experts, hidden, d_model) / math.sqrt(d_model))
         self.w_down = nn.Parameter(torch.randn(n_experts, d_model, hidden) / math.sqrt(hidden))
-        for w in (self.w_up, self.w_down):
-            w._muon_lr_scaling = "match_rms_adamw"
+        self.param_hints = {"gate.weight": ParamHint(optimizer="adamw"),
+                            "w_up": ParamHint(lr_scaling="match_rms_adamw"),
+                            "w_down": ParamHint(lr_scaling="match_rms_adamw")}
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         weights = self.gate(x).softmax(-1)  # (b, t, E)
@@ -89,7 +91,7 @@ class TinySSM(nn.Module):
         self.in_proj = nn.Linear(d_model, 2 * d_state, bias=False)
         self.decay = nn.Parameter(torch.zeros(d_state))
         self.bc_bias = nn.Parameter(torch.zeros(2, d_state))
-        self.bc_bias._optim_group = "adamw"
+        self.param_hints = {"bc_bias": ParamHint(optimizer="adamw")}
         self.out_proj = nn.Linear(d_state, d_model, bias=False)
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:

@@ -44,12 +44,9 @@ def test_tier1_interrupted_then_resumed_equals_uninterrupted(tmp_path, small_cor
     assert resumed.losses == straight.losses
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    sa, sb = straight.stack.state_dict(), resumed.stack.state_dict()
-    for part in ("muon", "adamw"):
-        for pid, state in sa[part]["state"].items():
-            for key, value in state.items():
-                other = sb[part]["state"][pid][key]
-                assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    assert straight.stack.state_dict() == resumed.stack.state_dict()
+    ma, mb = straight.stack.moments(), resumed.stack.moments()
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     assert straight.data.loader.state_dict() == resumed.data.loader.state_dict()
 
 

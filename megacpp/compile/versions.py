@@ -122,6 +122,11 @@ GATES: dict[str, Gate] = {
         "2.5",
         "torch.nn.attention.flex_attention (document masks as block masks; SDPA with a dense mask otherwise)",
     ),
+    "pg_timeout": Gate(
+        "2.4",
+        "torch.distributed.distributed_c10d._set_pg_timeout: tighten a process group's timeout once "
+        "compilation is over (private, the only way; without it the long init timeout stays)",
+    ),
     "custom_op": Gate(
         "2.4",
         "torch.library.custom_op + register_fake + register_autograd: an opaque kernel stays one "

@@ -11,7 +11,8 @@ independent sequences, so a document continued from the previous row simply star
 
 Sharding. Global batch g takes rows [g*W*B, (g+1)*W*B); rank r gets the B rows at offset r*B, so
 ranks are disjoint, cover the epoch together, and all have the same number of steps. The rows left
-over at an epoch's end (fewer than W*B) are dropped.
+over at an epoch's end (fewer than W*B) are dropped. The stream depends on the global batch W*B only,
+not on W: a run resumed on another number of ranks with the same global batch reads the same rows.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from megacpp.data.shards import ShardSet, ShardSplit
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: records the global batch (rows per step over all ranks) instead of the world size
 
 
 class Batch(NamedTuple):
@@ -90,7 +91,8 @@ class _Packer:
         self.device = torch.device(device)
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.rows_per_epoch = max(self.split.num_tokens - 1, 0) // seq_len
-        self.steps_per_epoch = self.rows_per_epoch // (world_size * batch_size)
+        self.global_batch = world_size * batch_size  # rows per step over all ranks
+        self.steps_per_epoch = self.rows_per_epoch // self.global_batch
 
     def _rows(self, stream: _Stream, step: int) -> np.ndarray:
         first = (step * self.world_size + self.rank) * self.batch_size
@@ -153,23 +155,36 @@ class PackedLoader(_Packer):
         return Batch(*self._tensors(inputs, targets, self._doc_ids(inputs)))
 
     def state_dict(self) -> dict[str, Any]:
+        """The same on every rank: what shapes the stream, and the position in it."""
         return {
             "version": STATE_VERSION, "data_key": self.shards.key, "split": self.split.name,
-            "batch_size": self.batch_size, "seq_len": self.seq_len, "world_size": self.world_size,
+            "seq_len": self.seq_len, "global_batch": self.global_batch,
             "seed": self.seed, "epoch": self.epoch, "step": self.step,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly; everything that shapes the token stream must match."""
+    def load_state_dict(self, state: dict[str, Any], allow_global_batch_change: bool = False) -> None:
+        """Resume exactly; everything that shapes the token stream must match.
+
+        Another global batch reads another stream; with ``allow_global_batch_change`` the loader goes
+        on from the same number of rows consumed in the epoch (rounded down to a whole step).
+        """
         mine = self.state_dict()
-        for k in ("version", "data_key", "split", "batch_size", "seq_len", "world_size", "seed"):
+        for k in ("version", "data_key", "split", "seq_len", "seed"):
             if state.get(k) != mine[k]:
                 raise ValueError(
                     f"loader state mismatch: {k} is {state.get(k)!r}, this loader has {mine[k]!r}"
                 )
-        if not 0 <= state["step"] <= self.steps_per_epoch:
-            raise ValueError(f"loader state step {state['step']} outside [0, {self.steps_per_epoch}]")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        step = int(state["step"])
+        if state["global_batch"] != self.global_batch:
+            if not allow_global_batch_change:
+                raise ValueError(
+                    f"loader state mismatch: global batch (ranks x batch_size) was {state['global_batch']} "
+                    f"rows, now {self.global_batch}: the run would read another token stream"
+                )
+            step = step * int(state["global_batch"]) // self.global_batch
+        if not 0 <= step <= self.steps_per_epoch:
+            raise ValueError(f"loader state step {step} outside [0, {self.steps_per_epoch}]")
+        self.epoch, self.step = int(state["epoch"]), step
 
 
 class ValLoader(_Packer):

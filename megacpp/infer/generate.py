@@ -1,7 +1,7 @@
 """Autoregressive generation with the model's decode caches (KV for A, states for M and R)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -30,8 +30,13 @@ def generate_tokens(
     top_k: int = 40,
     seed: int = 0,
     stop_id: int | None = None,
+    agree: Callable[[Tensor], Tensor] | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time; the same prompt, seed and settings give the same tokens."""
+    """Yield new token ids one at a time; the same prompt, seed and settings give the same tokens.
+
+    ``agree`` makes every process of a sharded model take the same token (e.g. rank 0's, broadcast):
+    a sharded forward is collective, so all processes must stop at the same step.
+    """
     if not prompt:
         raise ValueError("generation needs a non-empty prompt (at least the BOS token)")
     device = model.tok_embed.weight.device
@@ -42,6 +47,8 @@ def generate_tokens(
         logits = model.forward_step(torch.tensor([[token]], device=device), cache)
     for _ in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+        if agree is not None:
+            nxt = agree(nxt)
         token = int(nxt.item())
         if stop_id is not None and token == stop_id:
             return

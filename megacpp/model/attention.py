@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from megacpp.model.hints import ParamHint
 from megacpp.model.rope import apply_rope, document_index, positions_in_document, rope_table
 
 QK_CLIP_MODES = ("off", "weight", "activation")
@@ -100,6 +101,8 @@ def attend_flex(
 class Attention(nn.Module):
     """Grouped-query causal self-attention mixer (pattern symbol A)."""
 
+    reduced_buffers = {"logit_bound": "max"}  # MuonClip bounds the largest logit of any rank's batch
+
     def __init__(self, d_model: int, cfg: AttentionConfig, layer_idx: int) -> None:
         super().__init__()
         _validate(cfg)
@@ -107,7 +110,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(d_model, q_rows + 2 * kv_rows, bias=False)
-        self.qkv.weight._qkv_split_sizes = (q_rows, kv_rows, kv_rows)  # Muon: per-slice orthogonalization
+        self.param_hints = {"qkv.weight": ParamHint(qkv_split=(q_rows, kv_rows, kv_rows))}  # Muon: per slice
         self.proj = nn.Linear(q_rows, d_model, bias=False)
         half = cfg.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
 from megacpp.model.rope import positions_in_document
 
 WINDOWS = (2, 3, 4)  # Engram averages the current token with the previous 1, 2 and 3
@@ -63,12 +64,13 @@ class Engram(nn.Module):
     """Bottleneck -> causal window means (orders 2, 3, 4) -> learned per-order mix -> optional sigmoid
     context gate -> zero-initialised projection back to d_model."""
 
+    param_hints = {"mix": ParamHint(optimizer="adamw")}  # per-order channel weights, not a hidden matrix
+
     def __init__(self, d_model: int, cfg: EngramConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg, self.layer_idx, self.d_model = cfg, layer_idx, d_model
         self.down = nn.Linear(d_model, cfg.dim, bias=False)
         self.mix = nn.Parameter(torch.empty(len(WINDOWS), cfg.dim))
-        self.mix._optim_group = "adamw"  # per-order channel weights, not a hidden matrix
         self.gate = nn.Linear(d_model, cfg.dim, bias=False) if cfg.gate else None
         self.out = nn.Linear(cfg.dim, d_model, bias=False)
         self.reset_parameters()

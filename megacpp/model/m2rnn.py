@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
 
 
@@ -38,10 +39,12 @@ class M2RNN(nn.Module):
         self.layer_idx = layer_idx
         n_heads, dk, dv = cfg.n_heads, cfg.key_dim, cfg.value_dim
         self.qkv = nn.Linear(d_model, n_heads * (2 * dk + dv), bias=False)
-        self.qkv.weight._qkv_split_sizes = (n_heads * dk, n_heads * dk, n_heads * dv)
-        # One row per head: a per-head scalar projection, not a hidden matrix.
+        # a_proj has one row per head: a per-head scalar projection, not a hidden matrix.
         self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.a_proj.weight._optim_group = "adamw"
+        self.param_hints = {
+            "qkv.weight": ParamHint(qkv_split=(n_heads * dk, n_heads * dk, n_heads * dv)),
+            "a_proj.weight": ParamHint(optimizer="adamw"),
+        }
         self.gate = nn.Linear(d_model, n_heads * dv, bias=False)
         self.out_proj = nn.Linear(n_heads * dv, d_model, bias=False)
         self.W = nn.Parameter(torch.empty(n_heads, dv, dv))  # 3-D: Muon treats it as H matrices

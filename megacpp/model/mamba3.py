@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
 from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_scan, mamba3_step
 
 ScanMatmuls = Literal["fp32", "activation"]
@@ -54,6 +55,10 @@ class _Projected(NamedTuple):
 
 
 class Mamba3(nn.Module):
+    # B/C biases are per-head bias tables: AdamW, and never decayed, like every other bias.
+    param_hints = {"B_bias": ParamHint(optimizer="adamw", no_decay=True),
+                   "C_bias": ParamHint(optimizer="adamw", no_decay=True)}
+
     def __init__(self, d_model: int, cfg: Mamba3Config, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -79,8 +84,6 @@ class Mamba3(nn.Module):
         # B/C are per group but their biases are per head (as in mamba_ssm): B, C become per head here.
         self.B_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
         self.C_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
-        self.B_bias._optim_group = "adamw"
-        self.C_bias._optim_group = "adamw"
         self.B_norm = nn.RMSNorm(cfg.d_state, eps=cfg.norm_eps)
         self.C_norm = nn.RMSNorm(cfg.d_state, eps=cfg.norm_eps)
         self.D = nn.Parameter(torch.empty(self.n_heads))

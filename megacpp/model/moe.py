@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
+
 Routing = Literal["token_choice", "expert_choice"]
 ROUTINGS = get_args(Routing)
 
@@ -77,6 +79,14 @@ def dispatch_slots(expert_idx: Tensor, n_experts: int, capacity: int) -> tuple[T
 class MoE(nn.Module):
     """Mixture-of-experts FFN mixer (pattern symbol E); relu^2 experts, optional shared expert."""
 
+    param_hints = {
+        "gate.weight": ParamHint(optimizer="adamw"),  # the router stays fp32 and off Muon
+        "w_up": ParamHint(lr_scaling="match_rms_adamw"),
+        "w_down": ParamHint(lr_scaling="match_rms_adamw"),
+    }
+    # Each rank routes its own tokens; the bias update must see the counts of the whole global batch.
+    reduced_buffers = {"tokens_per_expert": "sum", "overflow": "sum"}
+
     def __init__(self, d_model: int, cfg: MoEConfig, layer_idx: int) -> None:
         super().__init__()
         if cfg.routing not in ROUTINGS:
@@ -88,11 +98,8 @@ class MoE(nn.Module):
         self.layer_idx = layer_idx
         n_exp, hidden = cfg.n_experts, cfg.expert_hidden
         self.gate = nn.Linear(d_model, n_exp, bias=False)
-        self.gate.weight._optim_group = "adamw"
         self.w_up = nn.Parameter(torch.empty(n_exp, d_model, hidden))
         self.w_down = nn.Parameter(torch.empty(n_exp, hidden, d_model))
-        self.w_up._muon_lr_scaling = "match_rms_adamw"
-        self.w_down._muon_lr_scaling = "match_rms_adamw"
         self.shared_up = nn.Linear(d_model, hidden, bias=False) if cfg.shared_expert else None
         self.shared_down = nn.Linear(hidden, d_model, bias=False) if cfg.shared_expert else None
         # Selection bias is training state (checkpointed); the statistics are per-forward bookkeeping.
@@ -184,9 +191,13 @@ class MoE(nn.Module):
     def update_bias(self) -> None:
         """Aux-loss-free balancing: bias_e += rate * sign(mean_load - load_e), from the last forward's
         tokens_per_expert. Call outside the compiled graph after the optimizer step; under data
-        parallelism all-reduce (sum) tokens_per_expert first so every rank applies the same update."""
+        parallelism tokens_per_expert is summed over ranks first (``reduced_buffers``), so every rank
+        applies the same update."""
         load = self.tokens_per_expert.float()
         self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.cfg.bias_update_rate)
+
+    def after_optimizer_step(self) -> None:
+        self.update_bias()
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> dict[str, Tensor]:
         return {}

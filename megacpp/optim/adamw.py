@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.local import local_tensor
 
 
 def adamw_update(
@@ -63,7 +64,8 @@ class AdamW(TensorHParamOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, compile_step=compile_step, compile_backend=compile_backend)
 
-    def _init_state(self, p: Tensor) -> dict[str, Any]:
+    def init_state(self, p: Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state of `p`, created on first use; moments in p's layout (a DTensor gets DTensors)."""
         state = self.state[p]
         if not state:
             # step lives on the parameter's device as fp32: both torch paths read it as a tensor there.
@@ -86,10 +88,11 @@ class AdamW(TensorHParamOptimizer):
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
-            states = [self._init_state(p) for p in ps]
+            states = [self.init_state(p) for p in ps]
             work.append((
-                ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+                [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
+                [s["step"] for s in states],
                 group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"],
             ))
         if work:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from megacpp.optim.local import local_tensor, row_range
+
 _ATTENTION_ATTRS = ("logit_bound", "qkv", "n_heads", "n_kv_heads", "head_dim")
 
 
@@ -54,11 +56,19 @@ def clip_attention_(attn: nn.Module, tau: float) -> tuple[Tensor, Tensor]:
         q_scale.repeat_interleave(hd),
         k_scale.repeat_interleave(hd),
         torch.ones(weight.shape[0] - n_qk, device=weight.device),
-    ]).to(weight.dtype)
-    weight.mul_(row_scale[:, None])
+    ])
+    _scale_rows_(weight, row_scale)
     if attn.qkv.bias is not None:
-        attn.qkv.bias.mul_(row_scale.to(attn.qkv.bias.dtype))
+        _scale_rows_(attn.qkv.bias, row_scale)
     return bound.max(), (bound > tau).sum()
+
+
+def _scale_rows_(t: Tensor, row_scale: Tensor) -> None:
+    """Multiply each dim-0 row of `t` by its scale, on the rows this rank holds when `t` is sharded."""
+    start, stop = row_range(t)
+    local = local_tensor(t)
+    scale = row_scale[start:stop].to(local.dtype)
+    local.mul_(scale.view(-1, *([1] * (local.ndim - 1))))
 
 
 class MuonClip:

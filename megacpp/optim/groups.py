@@ -1,30 +1,31 @@
-"""Parameter routing (docs/architecture.md, "Parameter tags read by the optimizer") and the routing table.
+"""Parameter routing (docs/architecture.md, "Parameter hints read by the optimizer") and the routing table.
 
-Rules, first match wins:
-  1. tag `_optim_group = "muon"` -> Muon (must be ndim >= 2); `"adamw"` -> AdamW
+Rules, first match wins (hints are the modules' ``param_hints``, collected by name before any wrapping):
+  1. hint optimizer "muon" -> Muon (must be ndim >= 2); "adamw" -> AdamW
   2. under `tok_embed` / `ngram_embed` -> AdamW "embed"; under `lm_head` / `mtp` -> AdamW "head"
   3. ndim < 2 -> AdamW "other"
   4. ndim >= 2 under `blocks.<i>.mixer` or `blocks.<i>.engram` -> Muon
   5. anything else -> error naming the parameter
-Muon groups are split by lr scaling mode (tag `_muon_lr_scaling`, else expert_lr_scaling for stacked
+Muon groups are split by lr scaling mode (hint lr_scaling, else expert_lr_scaling for stacked
 (E, A, B) weights, else muon_lr_scaling) because each mode has its own base lr.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
+from megacpp.model.hints import ParamHint, canonical_name, collect_param_hints
 from megacpp.optim.config import LR_SCALINGS, OptimConfig
 from megacpp.optim.muon import second_moment_shape
 
 _HIDDEN = re.compile(r"blocks\.\d+\.(mixer|engram)\.")
 _EMBED = ("tok_embed", "ngram_embed")
 _HEAD = ("lm_head", "mtp")
-# Path components added by wrappers (torch.compile, DDP, activation checkpointing); not model names.
-_WRAPPERS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
+_NO_HINT = ParamHint()
 
 
 @dataclass(eq=False)
@@ -32,53 +33,56 @@ class Route:
     name: str  # the model's own name, wrapper components removed
     param: nn.Parameter
     group: str  # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other"
+    hint: ParamHint = _NO_HINT
 
     @property
     def optimizer(self) -> str:
         return self.group.split(":", 1)[0]
 
 
-def canonical_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
-
-
-def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig) -> str:
+def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = _NO_HINT) -> str:
     """The group of one parameter; raises ValueError naming it when no rule fits."""
-    tag = getattr(param, "_optim_group", None)
-    if tag not in (None, "muon", "adamw"):
-        raise ValueError(f"parameter {name!r}: _optim_group={tag!r}, expected 'muon' or 'adamw'")
+    if hint.optimizer not in (None, "muon", "adamw"):
+        raise ValueError(f"parameter {name!r}: hint optimizer={hint.optimizer!r}, expected 'muon' or 'adamw'")
     top = name.split(".", 1)[0]
     hidden = param.ndim >= 2 and _HIDDEN.match(name) is not None
-    if tag == "muon" and param.ndim < 2:
-        raise ValueError(f"parameter {name!r} is tagged _optim_group='muon' but is {param.ndim}-D")
-    if tag == "muon" or (tag is None and hidden):
+    if hint.optimizer == "muon" and param.ndim < 2:
+        raise ValueError(f"parameter {name!r} is hinted optimizer='muon' but is {param.ndim}-D")
+    if hint.optimizer == "muon" or (hint.optimizer is None and hidden):
         if not cfg.use_muon:
             return "adamw:hidden"
         default = cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling
-        mode = getattr(param, "_muon_lr_scaling", None) or default
+        mode = hint.lr_scaling or default
         if mode not in LR_SCALINGS:
-            raise ValueError(f"parameter {name!r}: _muon_lr_scaling={mode!r}, expected one of {LR_SCALINGS}")
+            raise ValueError(f"parameter {name!r}: lr_scaling={mode!r}, expected one of {LR_SCALINGS}")
         return f"muon:{mode}"
     if top in _EMBED:
         return "adamw:embed"
     if top in _HEAD:
         return "adamw:head"
-    if tag == "adamw" or param.ndim < 2:
+    if hint.optimizer == "adamw" or param.ndim < 2:
         return "adamw:other"
     raise ValueError(
         f"parameter {name!r} (shape {tuple(param.shape)}) fits no routing rule: a >= 2-D parameter outside "
-        "blocks.<i>.mixer / blocks.<i>.engram / tok_embed / ngram_embed / lm_head / mtp needs an "
-        "_optim_group tag"
+        "blocks.<i>.mixer / blocks.<i>.engram / tok_embed / ngram_embed / lm_head / mtp needs a "
+        "ParamHint(optimizer=...) in its module's param_hints"
     )
 
 
-def route_parameters(model: nn.Module, cfg: OptimConfig) -> list[Route]:
-    """Route every trainable parameter of `model` (each exactly once; shared parameters count once)."""
+def route_parameters(model: nn.Module, cfg: OptimConfig, hints: Mapping[str, ParamHint] | None = None
+                     ) -> list[Route]:
+    """Route every trainable parameter of `model` (each exactly once; shared parameters count once).
+
+    ``hints`` (fully qualified name -> hint) should be collected before the model is wrapped or sharded;
+    by default they are collected from `model` now.
+    """
+    hints = collect_param_hints(model) if hints is None else hints
     routes = []
     for raw_name, param in model.named_parameters():
         if param.requires_grad:
             name = canonical_name(raw_name)
-            routes.append(Route(name, param, route_parameter(name, param, cfg)))
+            hint = hints.get(name, _NO_HINT)
+            routes.append(Route(name, param, route_parameter(name, param, cfg, hint), hint))
     return routes
 
 

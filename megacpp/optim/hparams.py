@@ -31,7 +31,7 @@ class TensorHParamOptimizer(Optimizer):
     ) -> None:
         self.compile_step = compile_step
         self.compile_backend = compile_backend
-        self._compiled: Callable[..., None] | None = None
+        self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -68,10 +68,10 @@ class TensorHParamOptimizer(Optimizer):
     def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Undo torch's load-time casts (every floating state tensor to the param's dtype)."""
 
-    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, eagerly or through its one ``torch.compile(fullgraph=True)`` graph."""
         if not self.compile_step:
-            fn(*args)
-            return
-        if self._compiled is None:
-            self._compiled = torch.compile(fn, fullgraph=True, backend=self.compile_backend)
-        self._compiled(*args)
+            return fn(*args)
+        if fn not in self._compiled:
+            self._compiled[fn] = torch.compile(fn, fullgraph=True, backend=self.compile_backend)
+        return self._compiled[fn](*args)

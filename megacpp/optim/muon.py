@@ -3,15 +3,17 @@
 Per step and per parameter (fp32 math, momentum stored in bf16 by default):
     M <- lerp(M, G, 1 - mu)                        momentum (EMA form, as torch.optim.Muon)
     U <- lerp(G, M, mu) if nesterov else M
-    O <- orthogonalize(U)                          per Q/K/V slice when tagged _qkv_split_sizes
+    O <- orthogonalize(U)                          per Q/K/V slice when the group has split_sizes
     O <- variance_reduce(O)                        optional, factored second moment
     P <- P - lr * wd * mask * P - lr * ratio * O   mask = [sign(O) == sign(P)] if cautious else 1
 ratio is the per-shape lr scaling ("original" or "match_rms_adamw", torch.optim.Muon's adjust_lr_fn).
 Weight decay uses the unscaled lr, as torch.optim.Muon does.
 
-Parameters of one group with equal shape and tags form a bucket that is stacked and orthogonalized
-as one batch (one bmm chain instead of one per matrix). `muon_update` is pure tensor code on lists of
-local tensors, so a sharded variant can feed it its own shards without changing the math.
+Parameters of one group with equal shape form a bucket that is stacked and orthogonalized as one
+batch (one bmm chain instead of one per matrix). The update is three pure stages on lists of plain
+tensors: `momentum_update` (elementwise), `orthogonal_update` (whole matrices) and `apply_update`
+(elementwise). A sharded optimizer (megacpp.dist.muon) runs the elementwise stages on each rank's
+rows and only moves the orthogonalization to where whole matrices are.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from megacpp.optim.config import LR_SCALINGS
 from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.local import is_sharded, local_tensor
 from megacpp.optim.orthogonalize import (
     NORMALIZATIONS,
     QUINTIC,
@@ -81,28 +84,28 @@ def variance_reduce(update: Tensor, second_moments: list[Tensor], beta2: Tensor)
     return update * (scale * kept)
 
 
-def muon_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    second_moments: list[Tensor],
-    lr: Tensor,
-    weight_decay: Tensor,
-    momentum: Tensor,
-    beta2: Tensor,
-    plan: BucketPlan,
-) -> None:
-    """One Muon step for a bucket of same-shape parameters; updates params and buffers in place."""
+def momentum_update(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool
+                    ) -> Tensor:
+    """Advance the momentum buffers in place; return the stacked fp32 update to orthogonalize."""
     grad = torch.stack(grads).float()
     buf = torch.stack(momentum_buffers).float().lerp_(grad, (1 - momentum).float())
     torch._foreach_copy_(momentum_buffers, list(buf.unbind(0)))  # rounds to the buffer dtype
-    update = grad.lerp_(buf, momentum.float()) if plan.nesterov else buf
+    return grad.lerp_(buf, momentum.float()) if nesterov else buf
+
+
+def orthogonal_update(update: Tensor, second_moments: list[Tensor], beta2: Tensor, plan: BucketPlan) -> Tensor:
+    """Stacked whole matrices (n, ..., A, B) -> their fp32 orthogonalized (and variance-reduced) update."""
     ortho = orthogonalize(
         update, len(plan.coefficients), plan.split_sizes, plan.coefficients,
         normalization=plan.normalization, eps=plan.eps,
     ).float()
     if plan.variance_reduction:
         ortho = variance_reduce(ortho, second_moments, beta2)
+    return ortho
+
+
+def apply_update(params: list[Tensor], ortho: Tensor, lr: Tensor, weight_decay: Tensor, plan: BucketPlan) -> None:
+    """Cautious decoupled weight decay and the scaled step, in place."""
     param = torch.stack(params)
     keep = (1 - lr * weight_decay).float()
     if plan.cautious:
@@ -115,18 +118,46 @@ def muon_update(
     torch._foreach_copy_(params, list(new.unbind(0)))
 
 
+def muon_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    second_moments: list[Tensor],
+    lr: Tensor,
+    weight_decay: Tensor,
+    momentum: Tensor,
+    beta2: Tensor,
+    plan: BucketPlan,
+) -> None:
+    """One Muon step for a bucket of same-shape whole matrices; updates params and buffers in place."""
+    update = momentum_update(grads, momentum_buffers, momentum, plan.nesterov)
+    apply_update(params, orthogonal_update(update, second_moments, beta2, plan), lr, weight_decay, plan)
+
+
 def muon_step(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
     """All buckets of one optimizer step (the unit that `compile_step` turns into one graph)."""
     for args, plan in zip(work, plans, strict=True):
         muon_update(*args, plan)
 
 
+class Bucket(NamedTuple):
+    """Same-shape parameters of one group, stepped as one stack."""
+
+    params: list[Tensor]
+    group: dict[str, Any]
+    plan: BucketPlan
+
+
 class Muon(TensorHParamOptimizer):
     """Muon for matrices (..., A, B) with ndim >= 2; leading dims are a stack of independent matrices.
 
     Hyperparameters lr, weight_decay, momentum and beta2 are 0-D tensors (see TensorHParamOptimizer).
-    Parameter tags (read when use_param_tags): `_qkv_split_sizes` splits the orthogonalization along
-    the output dim; `_muon_lr_scaling` overrides the group's lr_scaling.
+    Per-group settings beyond torch's: ``lr_scaling`` ("original" | "match_rms_adamw") and
+    ``split_sizes`` (row sizes of a fused QKV matrix, orthogonalized slice by slice; None = whole).
+
+    Parameters may be FSDP2 DTensors sharded on dim 0 when every shard holds whole matrices, i.e. for
+    stacked (E, A, B) parameters; row-sharded 2-D matrices need megacpp.dist.muon.ShardedMuon, which
+    orthogonalizes each matrix whole.
     """
 
     TENSOR_HPARAMS = ("lr", "weight_decay", "momentum", "beta2")
@@ -150,8 +181,8 @@ class Muon(TensorHParamOptimizer):
         normalization: str = "polar_express",
         eps: float = 1e-6,
         lr_scaling: str = "original",
+        split_sizes: Sequence[int] | None = None,
         momentum_dtype: torch.dtype | str = torch.bfloat16,
-        use_param_tags: bool = True,
         compile_step: bool = False,
         compile_backend: str = "inductor",
     ) -> None:
@@ -159,7 +190,7 @@ class Muon(TensorHParamOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, nesterov=nesterov,
             variance_reduction=variance_reduction, cautious_weight_decay=cautious_weight_decay,
             coefficients=coefficients, ns_steps=ns_steps, normalization=normalization, eps=eps,
-            lr_scaling=lr_scaling, momentum_dtype=_dtype_name(momentum_dtype), use_param_tags=use_param_tags,
+            lr_scaling=lr_scaling, split_sizes=split_sizes, momentum_dtype=_dtype_name(momentum_dtype),
         )
         super().__init__(params, defaults, compile_step=compile_step, compile_backend=compile_backend)
 
@@ -170,34 +201,33 @@ class Muon(TensorHParamOptimizer):
         if group["normalization"] not in NORMALIZATIONS:
             raise ValueError(f"unknown normalization {group['normalization']!r}")
         group["momentum_dtype"] = _dtype_name(group["momentum_dtype"])
+        if group["split_sizes"] is not None:
+            group["split_sizes"] = tuple(int(s) for s in group["split_sizes"])
         for p in group["params"]:
             if p.ndim < 2 or p.is_complex():
                 raise ValueError(f"Muon takes real matrices (ndim >= 2); got shape {tuple(p.shape)}")
-            lr_ratio(p.shape, self._lr_scaling(p, group))  # validates the mode
-            self._split_sizes(p, group)  # validates the tag
+            lr_ratio(p.shape, group["lr_scaling"])  # validates the mode
+            if group["split_sizes"] is not None and sum(group["split_sizes"]) != p.shape[-2]:
+                raise ValueError(f"split_sizes {group['split_sizes']} do not sum to {p.shape[-2]} rows "
+                                 f"of a {tuple(p.shape)} parameter")
+            self._check_layout(p)
 
-    @staticmethod
-    def _lr_scaling(p: Tensor, group: dict[str, Any]) -> str:
-        tag = getattr(p, "_muon_lr_scaling", None) if group["use_param_tags"] else None
-        return tag or group["lr_scaling"]
+    def _check_layout(self, p: Tensor) -> None:
+        """Muon orthogonalizes whole matrices: a shard must never split one."""
+        if is_sharded(p) and p.ndim == 2 and any(pl.is_shard() for pl in p.placements):
+            raise ValueError(f"a row-sharded {tuple(p.shape)} matrix needs megacpp.dist.muon.ShardedMuon "
+                             "(Muon would orthogonalize each rank's rows on their own: another optimizer)")
 
-    @staticmethod
-    def _split_sizes(p: Tensor, group: dict[str, Any]) -> tuple[int, ...] | None:
-        sizes = getattr(p, "_qkv_split_sizes", None) if group["use_param_tags"] else None
-        if sizes is None:
-            return None
-        if sum(sizes) != p.shape[-2]:
-            raise ValueError(f"_qkv_split_sizes {tuple(sizes)} do not sum to {p.shape[-2]} rows")
-        return tuple(int(s) for s in sizes)
+    def _new_second_moment(self, p: Tensor) -> Tensor:
+        return torch.zeros(second_moment_shape(p.shape), dtype=torch.float32, device=p.device)
 
-    def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The state of `p`, created (zeros) on first use; in p's layout, so a DTensor gets DTensors."""
         state = self.state[p]
         if "momentum_buffer" not in state:
-            dtype = getattr(torch, group["momentum_dtype"])
-            state["momentum_buffer"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
         if group["variance_reduction"] and "second_moment" not in state:
-            shape = second_moment_shape(p.shape)
-            state["second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            state["second_moment"] = self._new_second_moment(p)
         return state
 
     def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
@@ -205,36 +235,44 @@ class Muon(TensorHParamOptimizer):
         if "second_moment" in state:
             state["second_moment"] = state["second_moment"].float()
 
+    def buckets(self) -> list[Bucket]:
+        """Parameters with gradients, grouped by (group, shape, dtype, device), in a fixed order."""
+        found: list[Bucket] = []
+        for group in self.param_groups:
+            coefficients = coefficient_schedule(group["coefficients"], group["ns_steps"])
+            by_key: dict[tuple[Any, ...], list[Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_key.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+            for (shape, _, _), ps in by_key.items():
+                plan = BucketPlan(
+                    group["split_sizes"], lr_ratio(shape, group["lr_scaling"]), group["nesterov"],
+                    group["cautious_weight_decay"], group["variance_reduction"], coefficients,
+                    group["normalization"], group["eps"],
+                )
+                found.append(Bucket(ps, group, plan))
+        return found
+
+    def bucket_work(self, bucket: Bucket) -> tuple[Any, ...]:
+        """`muon_update`'s tensor arguments for a bucket: each rank's local tensors."""
+        ps, group = bucket.params, bucket.group
+        states = [self.init_state(p, group) for p in ps]
+        return (
+            [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+            [local_tensor(s["momentum_buffer"]) for s in states],
+            [local_tensor(s["second_moment"]) for s in states] if group["variance_reduction"] else [],
+            group["lr"], group["weight_decay"], group["momentum"], group["beta2"],
+        )
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work: list[tuple[Any, ...]] = []
-        plans: list[BucketPlan] = []
-        for group in self.param_groups:
-            coefficients = coefficient_schedule(group["coefficients"], group["ns_steps"])
-            buckets: dict[tuple[Any, ...], list[Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                split, scaling = self._split_sizes(p, group), self._lr_scaling(p, group)
-                key = (tuple(p.shape), p.dtype, p.device, split, scaling)
-                buckets.setdefault(key, []).append(p)
-            for (shape, _, _, split_sizes, scaling), ps in buckets.items():
-                states = [self._init_state(p, group) for p in ps]
-                work.append((
-                    ps, [p.grad for p in ps], [s["momentum_buffer"] for s in states],
-                    [s["second_moment"] for s in states] if group["variance_reduction"] else [],
-                    group["lr"], group["weight_decay"], group["momentum"], group["beta2"],
-                ))
-                plans.append(BucketPlan(
-                    split_sizes, lr_ratio(shape, scaling), group["nesterov"], group["cautious_weight_decay"],
-                    group["variance_reduction"], coefficients, group["normalization"], group["eps"],
-                ))
-        if work:
-            self._run(muon_step, work, tuple(plans))
+        buckets = self.buckets()
+        if buckets:
+            self._run(muon_step, [self.bucket_work(b) for b in buckets], tuple(b.plan for b in buckets))
         return loss
 
 
@@ -256,14 +294,13 @@ def torch_muon_compatible(
 
     torch.optim.Muon's terms: one quintic (a, b, c) for every iteration, normalisation by
     max(||X||_F, eps), no variance reduction, plain (not cautious) decoupled weight decay with the
-    unscaled lr, fp32 momentum, and no parameter tags (it knows neither split-QKV nor per-parameter
-    lr scaling).
+    unscaled lr, fp32 momentum, and no split-QKV.
     """
     return Muon(
         params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
         variance_reduction=False, cautious_weight_decay=False, coefficients=tuple(ns_coefficients),
         ns_steps=ns_steps, normalization="torch", eps=eps, lr_scaling=adjust_lr_fn or "original",
-        momentum_dtype=torch.float32, use_param_tags=False,
+        momentum_dtype=torch.float32,
         compile_step=compile_step, compile_backend=compile_backend,
     )
 

@@ -3,20 +3,26 @@
 step(): grad-norm clip -> optimizer steps -> MuonClip -> LR scheduler. MuonClip must see the weights
 the optimizer just wrote and the bounds of the forward that produced this step's gradients; the
 scheduler moves last so the step that just ran used the lr of its own position.
+
+Checkpoints hold the stack in two parts: `state_dict()` (schedule position, clip metrics: small and
+the same on every rank) and `moments()` (every per-parameter tensor, keyed by parameter name, in the
+parameters' own layout), which a distributed checkpoint can reshard to another number of ranks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from megacpp.model.hints import ParamHint
 from megacpp.optim.adamw import AdamW
 from megacpp.optim.clip import MuonClip
 from megacpp.optim.config import OptimConfig
-from megacpp.optim.groups import Route, format_routing_table, route_parameters
+from megacpp.optim.groups import format_routing_table, route_parameters
 from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.local import full_value
 from megacpp.optim.muon import Muon
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay
 
@@ -30,6 +36,7 @@ class OptimizerStack:
         clip: MuonClip | None = None,
         grad_clip_norm: float = 0.0,
         routing_table: str = "",
+        names: Mapping[Tensor, str] | None = None,
     ) -> None:
         self.muon = muon
         self.adamw = adamw
@@ -37,6 +44,7 @@ class OptimizerStack:
         self.clip = clip
         self.grad_clip_norm = grad_clip_norm
         self.routing_table = routing_table
+        self.names = dict(names or {})  # parameter -> its model name, the key of its moments
         self.metrics: dict[str, Tensor | float] = {}
 
     @property
@@ -52,8 +60,9 @@ class OptimizerStack:
         if self.grad_clip_norm > 0:
             # foreach norm + clamp on the device; no host sync (error_if_nonfinite stays off).
             with_grad = [p for p in self.parameters() if p.grad is not None]
+            # Sharded gradients give the global norm (a replicated DTensor): every rank clips alike.
             norm = torch.nn.utils.clip_grad_norm_(with_grad, self.grad_clip_norm, foreach=True)
-            metrics["grad_norm"] = norm
+            metrics["grad_norm"] = full_value(norm)
         for opt in self.optimizers:
             opt.step()
         if self.clip is not None:
@@ -65,22 +74,35 @@ class OptimizerStack:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
+    def moments(self) -> dict[str, Tensor]:
+        """Every per-parameter state tensor as ``"<optimizer>/<parameter name>/<key>"``, created (zeros)
+        where no step has made it yet, so a freshly built stack is a complete load target. The values
+        are the live state tensors: loading into them in place restores the optimizers."""
+        out: dict[str, Tensor] = {}
+        for kind, opt in (("muon", self.muon), ("adamw", self.adamw)):
+            if opt is None:
+                continue
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    for key, value in opt.init_state(p, group).items():
+                        out[f"{kind}/{self.names[p]}/{key}"] = value
+        return out
+
     def state_dict(self) -> dict[str, Any]:
+        """Schedule position and clip metrics; the per-parameter state is `moments()`."""
         return {
-            "muon": self.muon.state_dict() if self.muon is not None else None,
-            "adamw": self.adamw.state_dict() if self.adamw is not None else None,
+            "parts": [kind for kind in ("muon", "adamw") if getattr(self, kind) is not None],
             "scheduler": self.scheduler.state_dict(),
             "clip": self.clip.state_dict() if self.clip is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in ("muon", "adamw", "clip"):
-            part = getattr(self, name)
-            if (part is None) != (state[name] is None):
-                raise ValueError(f"checkpoint and stack disagree on whether there is a {name!r} part")
-            if part is not None:
-                part.load_state_dict(state[name])
-        # Last: it rewrites the lr tensors that the optimizers' load just restored.
+        mine = self.state_dict()
+        if state["parts"] != mine["parts"] or (state["clip"] is None) != (self.clip is None):
+            raise ValueError(f"checkpoint has optimizers {state['parts']} (clip: {state['clip'] is not None}), "
+                             f"this run {mine['parts']} (clip: {self.clip is not None})")
+        if self.clip is not None:
+            self.clip.load_state_dict(state["clip"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -89,38 +111,47 @@ def build_optimizers(
     cfg: OptimConfig,
     total_steps: int | None = None,
     log: Callable[[str], None] | None = print,
+    *,
+    hints: Mapping[str, ParamHint] | None = None,
+    make_muon: Callable[..., Muon] = Muon,
 ) -> OptimizerStack:
     """Route `model`'s parameters (megacpp.optim.groups) and build the stack; logs the routing table.
 
     total_steps sizes the *_frac schedule phases; without it only warmup_steps/decay_steps apply
-    (a decay phase then needs total_steps and raises).
+    (a decay phase then needs total_steps and raises). ``hints`` are the modules' parameter hints,
+    collected before any wrapping (default: collected now). ``make_muon`` builds the Muon part (the
+    sharded variant under FSDP2).
     """
-    routes = route_parameters(model, cfg)
-    by_group: dict[str, list[Route]] = {}
+    routes = route_parameters(model, cfg, hints)
+    muon_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    adamw_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in routes:
-        by_group.setdefault(r.group, []).append(r)
-
-    muon_groups, adamw_groups = [], []
-    for name, rs in by_group.items():
-        params = [r.param for r in rs]
-        kind, sub = name.split(":", 1)
+        kind, sub = r.group.split(":", 1)
+        # Norms, biases and scalars are never decayed; hints may exempt others.
+        decay = not (r.hint.no_decay or r.param.ndim < 2)
         if kind == "muon":
+            key = (r.group, decay, r.hint.qkv_split)
             lr = cfg.muon_lr if sub == "original" else _or(cfg.muon_rms_lr, cfg.adamw_lr)
-            muon_groups.append({"params": params, "lr": lr, "lr_scaling": sub, "name": name})
+            group = muon_groups.setdefault(key, {
+                "params": [], "lr": lr, "lr_scaling": sub, "split_sizes": r.hint.qkv_split,
+                "weight_decay": cfg.weight_decay if decay else 0.0, "name": _group_name(r.group, decay)})
         else:
-            lr = {"embed": cfg.embed_lr, "head": cfg.head_lr}.get(sub)
-            lr = _or(lr, cfg.adamw_lr)
-            adamw_groups.append({"params": params, "lr": lr, "name": name})
+            key = (r.group, decay)
+            lr = _or({"embed": cfg.embed_lr, "head": cfg.head_lr}.get(sub), cfg.adamw_lr)
+            group = adamw_groups.setdefault(key, {
+                "params": [], "lr": lr, "weight_decay": cfg.adamw_weight_decay if decay else 0.0,
+                "name": _group_name(r.group, decay)})
+        group["params"].append(r.param)
 
-    muon = Muon(
-        muon_groups, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+    muon = make_muon(
+        list(muon_groups.values()), lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
         nesterov=cfg.nesterov, beta2=cfg.variance_beta2, variance_reduction=cfg.variance_reduction,
         cautious_weight_decay=cfg.cautious_weight_decay, coefficients=cfg.ns_coefficients,
         ns_steps=cfg.ns_steps, lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype,
         compile_step=cfg.compile_step, compile_backend=cfg.compile_backend,
     ) if muon_groups else None
     adamw = AdamW(
-        adamw_groups, lr=cfg.adamw_lr, betas=(cfg.adamw_beta1, cfg.adamw_beta2), eps=cfg.adamw_eps,
+        list(adamw_groups.values()), lr=cfg.adamw_lr, betas=(cfg.adamw_beta1, cfg.adamw_beta2), eps=cfg.adamw_eps,
         weight_decay=cfg.adamw_weight_decay,
         compile_step=cfg.compile_step, compile_backend=cfg.compile_backend,
     ) if adamw_groups else None
@@ -131,7 +162,12 @@ def build_optimizers(
     table = format_routing_table(routes, cfg)
     if log is not None:
         log(table)
-    return OptimizerStack(muon, adamw, scheduler, clip, cfg.grad_clip_norm, table)
+    return OptimizerStack(muon, adamw, scheduler, clip, cfg.grad_clip_norm, table,
+                          names={r.param: r.name for r in routes})
+
+
+def _group_name(route_group: str, decay: bool) -> str:
+    return route_group if decay else f"{route_group}:no_decay"
 
 
 def _or(value: float | None, default: float) -> float:

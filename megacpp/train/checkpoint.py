@@ -1,14 +1,19 @@
 """Checkpoints: one directory per step, written atomically, verified on load, the last K kept.
 
 Layout of ``<out_dir>/checkpoints/step_00000100/``:
-- ``model.safetensors``  model weights (safetensors: no pickle, cheap to inspect)
-- ``state.pt``           optimizer stack, loader, RNG states, step (torch.save, weights_only-loadable)
+- ``model.safetensors``  model weights, whole (safetensors: no pickle, cheap to inspect); on several
+                         ranks gathered and written by rank 0, so eval, sample and tests read one format
+- ``optim/``             optimizer moments by parameter name, a torch.distributed.checkpoint directory
+                         (one file per writing rank + ``.metadata``): it loads on any number of ranks
+- ``state.pt``           schedule, loader, RNG states, step, losses (torch.save, weights_only-loadable)
 - extra files            e.g. ``tokenizer.json``, so the directory alone can be sampled from
-- ``meta.json``          config, tokenizer hash, determinism mode, versions, and the size and sha256 of
-                         each file above. Written last: a directory without it is incomplete.
+- ``meta.json``          config, tokenizer hash, determinism mode, versions, world size and global
+                         batch, and the size and sha256 of each file above. Written last: a directory
+                         without it is incomplete.
 
 The directory is built under a ``.tmp`` name and renamed into place, so a crash mid-write never leaves
-something that looks like a checkpoint.
+something that looks like a checkpoint. Writing it is `megacpp.dist.checkpoint.save` (every rank takes
+part); this module owns the format: names, hashes, verification, pruning.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optimizer moments by name in optim/ (1 kept them by index in state.pt)
+MOMENTS_DIR = "optim"
 
 
 class CheckpointError(RuntimeError):
@@ -44,39 +50,36 @@ def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def save_checkpoint(
-    out_dir: str | Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    train_state: dict[str, Any],
-    meta: dict[str, Any],
-    keep_last: int,
-    extra_files: dict[str, bytes] | None = None,
-) -> Path:
-    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last``.
-
-    ``extra_files`` (name -> bytes, e.g. the tokenizer) are stored and verified like the others, so a
-    checkpoint directory is self-contained.
-    """
+def checkpoint_dirs(out_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """(final, temporary) directory of checkpoint `step`."""
     root = checkpoint_root(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    return root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+
+
+def write_local_files(tmp: Path, model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
+                      extra_files: dict[str, bytes] | None = None) -> None:
+    """Write the files of one checkpoint that a single process writes (rank 0 under torchrun)."""
     # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
     save_file({k: v.detach().contiguous().clone() for k, v in model_state.items()}, tmp / "model.safetensors")
     torch.save(train_state, tmp / "state.pt")
     for name, blob in (extra_files or {}).items():
         (tmp / name).write_bytes(blob)
-    names = ["model.safetensors", "state.pt", *(extra_files or {})]
+
+
+def write_meta(tmp: Path, step: int, meta: dict[str, Any]) -> None:
+    """Hash every file under `tmp` and write meta.json last: the checkpoint is complete once it exists."""
+    names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in names}
     full_meta = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
     (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
+
+
+def publish(tmp: Path, final: Path, keep_last: int) -> Path:
+    """Rename the finished `tmp` into place and delete all but the newest `keep_last` checkpoints."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _prune(root, keep_last)
+    _prune(final.parent, keep_last)
     return final
 
 
@@ -126,16 +129,24 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
-    """Verify and load a checkpoint: (model_state, train_state, meta)."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True
+                    ) -> tuple[dict, dict, dict]:
+    """Load a checkpoint's weights and train state: (model_state, train_state, meta). The optimizer
+    moments are loaded in place by `megacpp.dist.checkpoint.load`."""
     path = Path(path)
-    meta = verify_checkpoint(path)
+    meta = verify_checkpoint(path) if verify else read_meta(path)
     try:
         model_state = load_file(path / "model.safetensors", device=str(map_location))
-        train_state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
-    except (SafetensorError, RuntimeError, EOFError, OSError) as exc:
+    except (SafetensorError, RuntimeError, OSError) as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
-    return model_state, train_state, meta
+    return model_state, load_train_state(path, map_location), meta
+
+
+def load_train_state(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    try:
+        return torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
 
 
 def latest_valid_checkpoint(out_dir: str | Path, warn=print) -> Path | None:

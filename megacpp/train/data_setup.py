@@ -33,6 +33,8 @@ class DataBundle:
     seq_len: int
     device: torch.device
     unigram_bpb: float
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def tokenizer_hash(self) -> str:
@@ -42,9 +44,10 @@ class DataBundle:
         return Path(self.tokenizer.path).read_bytes()
 
     def val_batches(self, max_batches: int) -> Iterator[ValBatch]:
-        """The same fixed validation batches on every call."""
+        """The same fixed validation batches on every call: this rank's rows of `max_batches` global
+        batches (the same number of batches on every rank)."""
         return iter(ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches,
-                              device=self.device))
+                              rank=self.rank, world_size=self.world_size, device=self.device))
 
 
 def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device | str,
@@ -57,7 +60,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     loader = PackedLoader(prepared.shards, batch_size, cfg.seq_len, rank=rank, world_size=world_size,
                           seed=seed + cfg.shuffle_seed, device=device)
     return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
-                      unigram_bits_per_byte(prepared.shards))
+                      unigram_bits_per_byte(prepared.shards), rank, world_size)
 
 
 def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:

@@ -64,24 +64,26 @@ def mode_report() -> dict[str, Any]:
     }
 
 
-def rng_state() -> dict[str, Any]:
-    """Every global generator's state, checkpointable with weights_only loading."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """The host generators' states and `device`'s (when it is a GPU), checkpointable with weights_only
+    loading. Only the training device's generator: under torchrun every rank seeds alike and draws
+    alike on its own GPU, so one rank's states are every rank's."""
     state: dict[str, Any] = {
         "python": _python_state_to_tensor(random.getstate()),
         "numpy": _numpy_state_to_tensor(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     random.setstate(_python_state_from_tensor(state["python"]))
     np.random.set_state(_numpy_state_from_tensor(state["numpy"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # weights_only torch.load accepts tensors and plain containers; RNG states are converted to those.

@@ -1,39 +1,58 @@
-"""The training loop: data, model, optimizers, compile, checkpoints, evaluation, plot and sample."""
+"""The training loop: data, model, optimizers, compile, checkpoints, evaluation, plot and sample.
+
+One loop for one process and for every rank of a torchrun job. The `DistContext` makes collectives
+no-ops on one process; under torchrun the model is sharded with FSDP2 (megacpp.dist.parallelize),
+every per-rank statistic is reduced, ranks are checked for parity at start, after warmup and
+periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plots and samples.
+"""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 from tqdm import tqdm
 
-from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles, prepare_compile
+from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, ConfigError, dump_toml, to_dict
+from megacpp.dist import checkpoint as dist_checkpoint
+from megacpp.dist.context import DistContext, init_distributed
+from megacpp.dist.health import check_compile_health
+from megacpp.dist.logs import RankLog
+from megacpp.dist.muon import ShardedMuon
+from megacpp.dist.parallelize import parallelize
+from megacpp.dist.parity import (
+    check_parity,
+    dynamo_policy,
+    library_versions,
+    model_layout,
+    relevant_env,
+    replica_fingerprint,
+    shared_config,
+    tensor_digest,
+)
+from megacpp.dist.stats import StatisticsReducer
+from megacpp.dist.watchdog import StepWatchdog
+from megacpp.doctor import kernel_report
+from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.model.pattern import expand_pattern
-from megacpp.train.checkpoint import (
-    check_compatible,
-    latest_valid_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megacpp.optim import Muon, build_optimizers
+from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.metrics import MetricsLogger, plot_loss
-from megacpp.train.runtime import (
-    after_optimizer_step,
-    autocast_context,
-    build_optimizer_stack,
-    peak_flops,
-    resolve_device,
-)
+from megacpp.train.runtime import autocast_context, peak_flops
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:
@@ -54,41 +73,58 @@ class TrainResult:
     unigram_bpb: float
     checkpoint: Path | None
     sample: str
+    rank: int = 0  # under torchrun only rank 0 reports
 
 
 @torch.no_grad()
-def evaluate_bpb(model: HybridLM, data: DataBundle, device: torch.device, max_batches: int) -> float:
+def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
+                 ctx: DistContext | None = None) -> float:
     """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
-    (special-token targets excluded from both).
+    (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the
+    same `max_batches` global batches and the sums are added over ranks.
 
     Runs eagerly (``force_eager``) so no-grad evaluation never compiles or recompiles a frame.
     """
     was_training = model.training
     model.eval()
-    nats, n_bytes = 0.0, 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
     with torch.compiler.set_stance("force_eager"), autocast_context(device):
         for batch in data.val_batches(max_batches):
             logits = model(batch.inputs, doc_ids=batch.doc_ids)
             # Special-token targets (document ends) stand for no bytes: excluded from both sums.
             targets = batch.targets.masked_fill(batch.target_bytes == 0, IGNORE_INDEX)
-            nats += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                    ignore_index=IGNORE_INDEX, reduction="sum").item()
-            n_bytes += int(batch.target_bytes.sum())
+            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            sums[1] += batch.target_bytes.sum()
     model.train(was_training)
+    if ctx is not None:
+        ctx.all_reduce_(sums)
+    nats, n_bytes = sums.tolist()
     return nats / math.log(2) / max(n_bytes, 1)
 
 
-def find_nonfinite_sublayer(model: HybridLM, x: torch.Tensor, doc_ids: torch.Tensor) -> str:
-    """Re-run one batch eagerly and name the first sublayer whose output is not finite."""
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        h = model.embed(x, doc_ids)
-        if not torch.isfinite(h).all():
-            return "the embeddings"
-        for i, block in enumerate(model.blocks):
-            h = block(h, doc_ids)
-            if not torch.isfinite(h).all():
-                return f"sublayer {i} ({block.kind}: {type(block.mixer).__name__})"
-    return "no sublayer in a re-run (the loss or backward overflowed)"
+def find_nonfinite_sublayer(model: nn.Module, x: Tensor, doc_ids: Tensor) -> str:
+    """Re-run one batch eagerly through ``forward`` and name the first sublayer whose output is not
+    finite. Forward hooks, not a hand-written walk: under FSDP2 every rank must run the same whole
+    forward (each block gathers its weights collectively)."""
+    outputs: list[tuple[str, bool]] = []
+
+    def watch(label: str):
+        def hook(_module: nn.Module, _args: Any, output: Tensor) -> None:
+            outputs.append((label, bool(torch.isfinite(output).all())))
+        return hook
+
+    watched = [(m, "the embeddings") for m in (model.tok_embed, model.ngram_embed) if m is not None]
+    watched += [(b, f"sublayer {i} ({b.kind}: {type(b.mixer).__name__})") for i, b in enumerate(model.blocks)]
+    handles = [module.register_forward_hook(watch(label)) for module, label in watched]
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            model(x, doc_ids=doc_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return next((label for label, finite in outputs if not finite),
+                "no sublayer in a re-run (the loss or backward overflowed)")
 
 
 def check_before_data(cfg: Config) -> None:
@@ -99,53 +135,111 @@ def check_before_data(cfg: Config) -> None:
                           f"{cfg.model.attention.max_seq_len} (the RoPE table length); raise the latter")
 
 
+def weight_fingerprint(model: nn.Module) -> str:
+    """A digest of every weight's float64 sum and sum of squares (cheap on the device, and any
+    difference between ranks' initial weights changes it)."""
+    with torch.no_grad():
+        moments = [(name, torch.stack([p.double().sum(), p.double().square().sum()]))
+                   for name, p in model.state_dict().items() if p.is_floating_point()]
+    return tensor_digest(moments)
+
+
 class Trainer:
-    def __init__(self, cfg: Config, log=print, progress: bool = True) -> None:
+    def __init__(self, cfg: Config, log=print, progress: bool = True, ctx: DistContext | None = None) -> None:
         self.cfg = cfg
-        self.log = log
-        self.progress = progress
         tc = cfg.train
         check_before_data(cfg)
-        self.device = resolve_device(tc.device)
         self.mode = configure_mode(tc.deterministic)
-        self.compile_status = prepare_compile(cfg.compile)  # cache dir, env, Dynamo policy: before any compile
+        self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
+        self.ctx = ctx or init_distributed(tc.device, cfg.dist, tc.out_dir)
+        self.log = log
+        try:
+            self._build(log, progress)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _build(self, log, progress: bool) -> None:
+        cfg, tc, ctx = self.cfg, self.cfg.train, self.ctx
+        self.device = ctx.device
+        self.out_dir = Path(tc.out_dir)
+        self.log = RankLog(self.out_dir, ctx.rank, log if ctx.is_main else None) if ctx.distributed else log
+        self.progress = progress and ctx.is_main
         seed_everything(tc.seed)
-        self.data = build_data(cfg.data, tc.seed, tc.batch_size, self.device, log, progress)
+        self.data = build_data(cfg.data, tc.seed, tc.batch_size, self.device, self.log, self.progress,
+                               rank=ctx.rank, world_size=ctx.world_size)
         cfg.model.vocab_size = self.data.tokenizer.vocab_size
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
         self.model = HybridLM(cfg.model).to(self.device)
-        self.stack = build_optimizer_stack(self.model, cfg)
+        initial_weights = weight_fingerprint(self.model)
+        hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
         self.health = CompileHealth(bounds_for(cfg.compile))
-        self.health.attach(compile_model(self.model, cfg.compile))
-        self.out_dir = Path(tc.out_dir)
+        self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
+        make_muon = functools.partial(ShardedMuon, group=None) if ctx.distributed else Muon
+        self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
+                                      make_muon=make_muon)
+        self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
         self.losses: list[float] = []
+        check_parity(ctx, {
+            "config": shared_config(to_dict(cfg)), "versions": library_versions(self.device), "determinism": self.mode,
+            "dynamo_policy": dynamo_policy(), "environment": relevant_env(), "kernels": kernel_report(),
+            "tokenizer": self.data.tokenizer_hash, "data": self.data.shards.key,
+            "global_batch": ctx.world_size * tc.batch_size, "parameters": model_layout(self.model),
+            "initial_weights": initial_weights,
+        }, "at start")
+
+    def close(self) -> None:
+        """Leave the process group (every exit path: a live group keeps peers waiting)."""
+        self.ctx.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Put a rank's failure in its own log file (torchrun shows only the first failing rank)."""
+        if self.ctx.distributed and isinstance(self.log, RankLog):
+            self.log.record(f"failed: {type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}")
+        self.close()
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per loader step over all ranks (the token stream depends on this alone)."""
+        return self.ctx.world_size * self.cfg.train.batch_size
 
     # ---------------------------------------------------------------- state
 
     def meta(self) -> dict[str, Any]:
         return {"config": to_dict(self.cfg), "tokenizer_hash": self.data.tokenizer_hash,
-                "determinism": self.mode, "torch": str(torch_version())}
+                "determinism": self.mode, "torch": str(torch_version()),
+                "world_size": self.ctx.world_size, "global_batch": self.global_batch}
 
     def save(self) -> Path:
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
-                 "rng": rng_state(), "losses": torch.tensor(self.losses, dtype=torch.float64)}
-        return save_checkpoint(self.out_dir, self.step, self.model.state_dict(), state, self.meta(),
-                               self.cfg.train.keep_last, {"tokenizer.json": self.data.tokenizer_json()})
+                 "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64)}
+        extra = {"tokenizer.json": self.data.tokenizer_json()} if self.ctx.is_main else None
+        return dist_checkpoint.save(self.ctx, self.out_dir, self.step, self.model, self.stack.moments(), state,
+                                    self.meta(), self.cfg.train.keep_last, extra)
 
     def resume(self) -> Path | None:
-        path = latest_valid_checkpoint(self.out_dir, warn=self.log)
+        path = dist_checkpoint.find_resume_checkpoint(self.ctx, self.out_dir, warn=self.log)
         if path is None:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
-        model_state, state, meta = load_checkpoint(path, map_location=self.device)
+        meta = read_meta(path)
         check_compatible(meta, to_dict(self.cfg.model), self.data.tokenizer_hash, path)
-        self.model.load_state_dict(model_state)
+        saved_batch = meta.get("global_batch", self.global_batch)
+        if saved_batch != self.global_batch and not self.cfg.dist.allow_global_batch_change:
+            raise CheckpointError(
+                f"{path}: written with a global batch of {saved_batch} sequences ({meta.get('world_size')} "
+                f"rank(s)), this run has {self.global_batch} ({self.ctx.world_size} x train.batch_size "
+                f"{self.cfg.train.batch_size}): it would read another token stream. Keep ranks x "
+                "batch_size equal, or set dist.allow_global_batch_change = true")
+        state, _ = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
         self.stack.load_state_dict(state["optim"])
-        self.data.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        self.data.loader.load_state_dict(state["loader"], self.cfg.dist.allow_global_batch_change)
+        set_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         self.losses = state["losses"].tolist()
+        check_parity(self.ctx, {"checkpoint": str(path), "step": self.step,
+                                "loader": self.data.loader.state_dict()}, "after resume")
         self.log(f"resumed from {path} at step {self.step}")
         return path
 
@@ -162,78 +256,151 @@ class Trainer:
             loss.backward()
             total += loss.detach()
             last_batch = (x, doc_ids)
-        value = float(total.item())
+        self.reduce_statistics()
+        local = float(total.item())
+        value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
         if not math.isfinite(value):
-            where = find_nonfinite_sublayer(self.model, *last_batch)
-            raise NonFiniteLossError(
-                f"step {self.step + 1}: loss is {value}; first non-finite output at {where}. "
-                f"The last good checkpoint under {self.out_dir / 'checkpoints'} is untouched."
-            )
+            self._stop_nonfinite(value, local, last_batch)
         self.stack.step()
-        after_optimizer_step(self.model)
+        run_after_optimizer_step(self.model)
         self.stack.zero_grad()
         return value
 
+    def _stop_nonfinite(self, value: float, local: float, last_batch: tuple[Tensor, Tensor]) -> None:
+        """Every rank stops together (each saw the same reduced loss), naming the sublayer."""
+        where = find_nonfinite_sublayer(self.model, *last_batch)  # every rank: collectives in lockstep
+        reports = self.ctx.all_gather_objects((math.isfinite(local), where))
+        if self.ctx.distributed:
+            bad = [f"rank {r}: first non-finite output at {w}" for r, (ok, w) in enumerate(reports) if not ok]
+            where = "; ".join(bad) or f"no rank's own loss (the reduction overflowed); {where}"
+            detail = f"loss is {value} on rank(s) {', '.join(str(r) for r, (ok, _) in enumerate(reports) if not ok)}"
+        else:
+            detail, where = f"loss is {value}", f"first non-finite output at {where}"
+        raise NonFiniteLossError(f"step {self.step + 1}: {detail}; {where}. The last good checkpoint under "
+                                 f"{self.out_dir / 'checkpoints'} is untouched.")
+
     def run(self, resume: bool = False) -> TrainResult:
-        cfg, tc = self.cfg, self.cfg.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(dump_toml(cfg))
+        try:
+            result = self._run(resume)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.close()
+        return result
+
+    def _run(self, resume: bool) -> TrainResult:
+        cfg, tc, ctx = self.cfg, self.cfg.train, self.ctx
+        if ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.toml").write_text(dump_toml(cfg))
+        self._check_shared_run_dir()
         if resume:
             self.resume()
         self.log(self.run_header())
-        metrics = MetricsLogger(self.out_dir, tc.tensorboard, resume=resume)
-        tokens_per_step = tc.batch_size * tc.grad_accum * cfg.data.seq_len
+        metrics = MetricsLogger(self.out_dir, tc.tensorboard, resume=resume) if ctx.is_main else None
+        tokens_per_step = self.global_batch * tc.grad_accum * cfg.data.seq_len
         flops = flops_per_token(self.model, cfg.data.seq_len)
         peak = peak_flops(self.device)
         val_bpb: float | None = None
         checkpoint: Path | None = None
         bar = tqdm(total=tc.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    desc="train", unit="step")
+        watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
+        compile_record: dict[str, Any] = {}
         try:
             t_last = time.perf_counter()
             warm = False
             while self.step < tc.steps:
+                self._expect_progress(watchdog, warm, f"step {self.step + 1}")
                 loss = self.train_step()
                 self.step += 1
                 if not warm:  # every compiled region has run once: from here a recompile is a regression
-                    self.health.end_warmup()
-                    self.health.check_bounds()
-                    if cfg.compile.forbid_recompiles:
-                        after_warmup.enter_context(forbid_recompiles())
+                    compile_record = self._end_warmup(after_warmup)
                     warm = True
                 self.losses.append(loss)
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
-                record = {"loss": loss, "tok_per_s": tok_s, **_floats(self.stack.metrics)}
+                record = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / ctx.world_size,
+                          **_floats(self.stack.metrics)}
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
-                    record["mfu"] = flops * tok_s / peak
+                    record["mfu"] = flops * tok_s / ctx.world_size / peak
                     postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-                if self.step % tc.log_every == 0 or self.step == tc.steps:
+                if metrics is not None and (self.step % tc.log_every == 0 or self.step == tc.steps):
                     metrics.log(self.step, "train", record)
                 if self.step % tc.eval_every == 0 or self.step == tc.steps:
-                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches)
-                    metrics.log(self.step, "val", {"val_bpb": val_bpb})
+                    self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
+                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx)
+                    if metrics is not None:
+                        metrics.log(self.step, "val", {"val_bpb": val_bpb})
                 if val_bpb is not None:
                     postfix["val_bpb"] = f"{val_bpb:.3f}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
-                if self.step % tc.ckpt_every == 0 or self.step == tc.steps:
+                checkpoint_due = self.step % tc.ckpt_every == 0 or self.step == tc.steps
+                fingerprint_due = cfg.dist.fingerprint_every and self.step % cfg.dist.fingerprint_every == 0
+                if checkpoint_due or fingerprint_due:
+                    self._check_replicas()
+                if checkpoint_due:
+                    self._expect_progress(watchdog, warm, f"checkpoint at step {self.step}")
                     checkpoint = self.save()
+            self._expect_progress(watchdog, warm, "the final sample")
+            sample = self.sample_text()
         finally:
+            if watchdog is not None:
+                watchdog.close()
             after_warmup.close()
             bar.close()
-            metrics.log(self.step, "compile", self.compile_summary())
-            metrics.close()
-            self.health.check_bounds()
+            if metrics is not None:
+                metrics.log(self.step, "compile", {**self.compile_summary(), **compile_record})
+                metrics.close()
             self.health.close()
-        plot = plot_loss(metrics.path, self.out_dir / "loss.png", self.data.unigram_bpb)
-        self.log(f"loss curve: {plot}")
-        sample = self.sample_text()
+        if ctx.is_main:
+            plot = plot_loss(metrics.path, self.out_dir / "loss.png", self.data.unigram_bpb)
+            self.log(f"loss curve: {plot}")
         return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.unigram_bpb, checkpoint,
-                           sample)
+                           sample, ctx.rank)
+
+    def _expect_progress(self, watchdog: StepWatchdog | None, warm: bool, what: str) -> None:
+        """Arm the stall watchdog for the next phase; not during warmup, whose compiles may take long."""
+        if watchdog is not None and warm:
+            watchdog.arm(self.cfg.dist.step_timeout_s, what)
+
+    def _end_warmup(self, after_warmup: contextlib.ExitStack) -> dict[str, Any]:
+        """Compile health on (and across) ranks, then the tight timeouts of steady training."""
+        self.health.end_warmup()
+        summary = check_compile_health(self.ctx, self.health, "after warmup")
+        if self.cfg.compile.forbid_recompiles:
+            after_warmup.enter_context(forbid_recompiles())
+        if self.ctx.set_timeout(self.cfg.dist.step_timeout_s):
+            self.log(f"warmup done: process-group timeout now {self.cfg.dist.step_timeout_s:.0f} s")
+        graphs = sum(r["graphs"] for r in summary["regions"].values())
+        return {"graphs_per_rank": self.ctx.all_gather_objects(graphs)}
+
+    def _check_replicas(self) -> None:
+        """State every rank holds whole must be identical (buffers such as MoE biases, loader, schedule)."""
+        extra = {"loader": self.data.loader.state_dict(), "schedule": self.stack.scheduler.state_dict(),
+                 "step": self.step}
+        check_parity(self.ctx, replica_fingerprint(self.model, extra), f"step {self.step}")
+
+    def _check_shared_run_dir(self) -> None:
+        """Every rank must see rank 0's run directory: checkpoints are written there by all ranks."""
+        if not self.ctx.distributed:
+            return
+        token = self.out_dir / "logs" / ".shared"
+        if self.ctx.is_main:
+            token.parent.mkdir(parents=True, exist_ok=True)
+            token.write_text(str(id(self)))
+        expected = self.ctx.broadcast_object(str(id(self)) if self.ctx.is_main else None)
+        seen = token.is_file() and token.read_text() == expected
+        hosts = self.ctx.all_gather_objects((seen, self.ctx.host))
+        blind = sorted({host for ok, host in hosts if not ok})
+        if blind:
+            raise CheckpointError(f"train.out_dir {self.out_dir} is not on a filesystem shared with rank 0: "
+                                  f"host(s) {', '.join(blind)} cannot see it. Multi-host runs need a shared "
+                                  "run directory (checkpoints are written by every rank)")
 
     def compile_summary(self) -> dict[str, float]:
         totals = self.health.totals()
@@ -244,18 +411,21 @@ class Trainer:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
-            f"({self.cfg.compile.backend})",
+            f"({self.cfg.compile.backend}); {self.ctx.describe()}",
             self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             parameter_table(self.model),
             self.stack.routing_table,
-            f"batch {tc.batch_size} x {tc.grad_accum} accum x {self.cfg.data.seq_len} tokens, {tc.steps} steps; "
+            f"batch {tc.batch_size} x {self.ctx.world_size} rank(s) x {tc.grad_accum} accum x "
+            f"{self.cfg.data.seq_len} tokens, {tc.steps} steps; "
             f"unigram entropy of the corpus: {self.data.unigram_bpb:.3f} bits/byte",
         ]
         return "\n".join(lines)
 
     def sample_text(self) -> str:
+        """Every rank decodes (a sharded model gathers weights collectively); rank 0's token choice is
+        broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text."""
         from megacpp.infer.generate import generate_tokens, stream_text
 
         tc = self.cfg.train
@@ -265,10 +435,11 @@ class Trainer:
         with torch.compiler.set_stance("force_eager"):
             pieces = list(stream_text(tok, generate_tokens(self.model, prompt, tc.sample_tokens,
                                                            tc.sample_temperature, tc.sample_top_k, tc.seed,
-                                                           stop_id=tok.eos_id)))
+                                                           stop_id=tok.eos_id, agree=self.ctx.broadcast_)))
         self.model.train()
         text = tc.sample_prompt + "".join(pieces)
-        (self.out_dir / "sample.txt").write_text(text)
+        if self.ctx.is_main:
+            (self.out_dir / "sample.txt").write_text(text)
         self.log(f"--- sample ({tc.sample_tokens} tokens, temperature {tc.sample_temperature}, "
                  f"top-k {tc.sample_top_k}) ---\n{text}\n---")
         return text

@@ -9,7 +9,6 @@ from torch import nn
 
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config
-from megacpp.model.moe import MoE
 from megacpp.optim import OptimizerStack, build_optimizers
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU rather than a guess.
@@ -43,10 +42,3 @@ def peak_flops(device: torch.device) -> float | None:
 def build_optimizer_stack(model: nn.Module, cfg: Config, log: Callable[[str], None] | None = None
                           ) -> OptimizerStack:
     return build_optimizers(model, cfg.optim, total_steps=cfg.train.steps, log=log)
-
-
-def after_optimizer_step(model: nn.Module) -> None:
-    """Work that must follow the optimizer step and stay outside compiled graphs: MoE load balancing."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.update_bias()

@@ -1,0 +1,179 @@
+"""The process group of a torchrun job, and the collectives the trainer needs, as one object.
+
+`DistContext` is what the trainer holds: rank, world size, this rank's device and the 1-D
+data-parallel mesh. On one process every collective is a no-op, so training code has no branches on
+the world size. Under torchrun (WORLD_SIZE > 1) the group is created from torchrun's environment:
+`cuda:nccl,cpu:gloo` on GPUs (NCCL for tensors, gloo for the CPU objects of the parity checks), gloo
+on CPU, with `device_id` passed so that NCCL's first barrier does not hang guessing the device.
+Nothing here assumes one host: ranks are global, devices come from LOCAL_RANK.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megacpp.compile.versions import supports
+from megacpp.config import ConfigError
+from megacpp.dist.config import DistConfig
+from megacpp.train.runtime import resolve_device
+
+# NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
+# torch's `torchfrtrace`; the dump goes into the run directory. Users' own settings win.
+FLIGHT_RECORDER = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
+Op = Literal["sum", "max", "min"]
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class DistError(ConfigError):
+    """A distributed setting or environment that cannot work (one line, every rank)."""
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: Any = None  # DeviceMesh of the data-parallel dimension; None on one process
+    backend: str = ""
+    host: str = field(default_factory=lambda: os.uname().nodename)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------ collectives (no-ops on one process)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: Op = "sum") -> torch.Tensor:
+        """Reduce `tensor` in place over ranks (gloo needs CPU tensors; NCCL device tensors)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=_OPS[op])
+        return tensor
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`src`'s values into `tensor` on every rank, in place."""
+        if self.distributed:
+            dist.broadcast(tensor, src=src)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def agree(self, ok: bool, what: str) -> None:
+        """Raise on every rank unless every rank is ok; the message names the ranks that were not."""
+        verdicts = self.all_gather_objects(ok)
+        bad = [r for r, v in enumerate(verdicts) if not v]
+        if bad:
+            raise DistError(f"{what} failed on rank(s) {', '.join(map(str, bad))}")
+
+    def set_timeout(self, seconds: float) -> bool:
+        """Set the process-group timeout for later collectives; False when this torch cannot."""
+        if not self.distributed or not supports("pg_timeout"):
+            return False
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=seconds), None)
+        return True
+
+    def close(self) -> None:
+        """Destroy the process group (every exit path: a live group keeps peers waiting)."""
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return f"single process on {self.device}"
+        return (f"rank {self.rank} of {self.world_size} (local rank {self.local_rank} on {self.host}), "
+                f"{self.device}, backend {self.backend}")
+
+
+def torchrun_world(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables; (0, 1, 0) outside torchrun."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, 0
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise DistError(f"WORLD_SIZE={world} but {', '.join(missing)} unset: launch with torchrun "
+                        "(e.g. torchrun --nproc_per_node=8 -m megacpp.cli train ...)")
+    return int(env["RANK"]), world, int(env["LOCAL_RANK"])
+
+
+def rank_device(name: str, local_rank: int, world: int) -> torch.device:
+    """This rank's device: ``auto``/``cuda`` mean cuda:LOCAL_RANK under torchrun."""
+    if world == 1:
+        return resolve_device(name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if device.index not in (None, local_rank):
+            raise DistError(f"train.device = {name!r} under torchrun: each rank uses cuda:LOCAL_RANK "
+                            f"(this rank: cuda:{local_rank}); set train.device to auto or cuda")
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise DistError(f"local rank {local_rank} needs a GPU but torch sees "
+                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; use "
+                            "--nproc_per_node at most the GPU count, or train.device = cpu")
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | None = None) -> DistContext:
+    """Create the process group of this torchrun job (nothing outside torchrun) and return the context.
+
+    Call after `megacpp.compile.prepare_compile` (it sets NCCL's heartbeat for long compiles) and
+    before anything else touches the GPU.
+    """
+    rank, world, local_rank = torchrun_world()
+    device = rank_device(device_name, local_rank, world)
+    if world == 1:
+        return DistContext(device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for key, value in FLIGHT_RECORDER.items():
+        os.environ.setdefault(key, value)
+    if run_dir is not None:
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir).resolve() / "logs" / "nccl_trace_rank_"))
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.init_timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return DistContext(rank, world, local_rank, device, mesh, backend)
+
+
+def object_digest(obj: Any) -> str:
+    """A short stable digest of a picklable value (for cross-rank comparisons of large objects)."""
+    import hashlib
+
+    return hashlib.blake2b(pickle.dumps(obj, protocol=4), digest_size=12).hexdigest()

@@ -1,0 +1,48 @@
+"""Each rank's own part of a possibly sharded tensor.
+
+Under FSDP2 parameters, gradients and optimizer states are DTensors sharded on dim 0. Elementwise
+optimizer math is the same on each rank's rows as on the whole tensor, so optimizers unwrap to the
+local shard (a view: in-place writes land in the DTensor) and compute on plain tensors, which also
+keeps the compiled optimizer step free of DTensor dispatch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # pragma: no cover - builds without torch.distributed
+    DTensor = None
+
+
+def is_sharded(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The shard this rank holds (the tensor itself when it is not a DTensor)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def full_value(t: Tensor) -> Tensor:
+    """A replicated or partial DTensor's full value (e.g. a global gradient norm); plain tensors as is."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def row_range(t: Tensor) -> tuple[int, int]:
+    """[start, stop) of the dim-0 rows this rank holds: the whole range for a plain or replicated tensor.
+
+    FSDP2 shards dim 0 in ceil(n / W) chunks (torch.chunk's rule; trailing ranks may hold none).
+    """
+    rows = t.shape[0]
+    if not is_sharded(t) or not any(p.is_shard(0) for p in t.placements):
+        return 0, rows
+    mesh = t.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunk = -(-rows // world)
+    start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+    if t.to_local().shape[0] != stop - start:
+        raise RuntimeError(f"shard of rows {start}:{stop} expected, rank {rank} holds "
+                           f"{t.to_local().shape[0]} rows of {tuple(t.shape)}")
+    return start, stop

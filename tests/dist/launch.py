@@ -1,0 +1,109 @@
+"""Run `megacpp <args>` on this rank with test faults injected (the test-only hooks of the
+multi-GPU tests). Usage under torchrun:
+
+    launch.py [--fault KIND@RANK[:STEP]]... train --preset tiny ...
+
+Faults (RANK is the global rank that misbehaves; STEP the training step it does so at):
+  config@R          rank R starts with another optim.muon_lr
+  nan@R:S           rank R's forward output turns NaN in step S (its own loss only)
+  stall@R:S         rank R stops making progress in step S (sleeps)
+  kill@R:S          rank R is killed with SIGKILL in step S
+  interrupt@R:S     rank R raises KeyboardInterrupt before step S (every rank should use it)
+  ckpt_write@R      rank R fails to write its checkpoint shard (permission denied)
+  loader@R          after a resume, rank R's loader is one step ahead
+  drift@R:S         after step S, rank R's first MoE selection bias moves by 1e-3
+  graph_break@R     rank R's FFN forward has a graph break
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+
+def parse(argv: list[str]) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """Leading ``--fault SPEC`` pairs, then the CLI arguments."""
+    faults = []
+    while argv[:1] == ["--fault"]:
+        kind, _, where = argv[1].partition("@")
+        rank, _, step = where.partition(":")
+        faults.append((kind, int(rank), int(step or 0)))
+        argv = argv[2:]
+    return faults, argv
+
+
+def install(kind: str, step: int, args: list[str]) -> list[str]:
+    import torch
+
+    from megacpp.train.loop import Trainer
+
+    if kind == "config":
+        return [*args, "--optim.muon_lr", "0.021"]
+    if kind in ("nan", "stall", "kill", "interrupt", "drift"):
+        original = Trainer.train_step
+
+        def train_step(self):
+            if self.step + 1 == step:  # the step about to run
+                if kind == "stall":
+                    time.sleep(3600)
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "interrupt":
+                    raise KeyboardInterrupt
+                if kind == "nan":
+                    block = next(b for b in self.model.blocks if b.kind == "M")
+                    block.mixer.register_forward_hook(lambda _m, _a, out: out * float("nan"))
+            loss = original(self)
+            if kind == "drift" and self.step + 1 == step:
+                moe = next(b.mixer for b in self.model.blocks if b.kind == "E")
+                with torch.no_grad():
+                    moe.expert_bias[0] += 1e-3
+            return loss
+
+        Trainer.train_step = train_step
+    elif kind == "ckpt_write":
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        def refuse(self, plan, planner):
+            raise PermissionError(13, "Permission denied", str(self.path))
+
+        FileSystemWriter.write_data = refuse
+    elif kind == "loader":
+        from megacpp.data.loader import PackedLoader
+
+        original_load = PackedLoader.load_state_dict
+
+        def load_state_dict(self, state, *a, **kw):
+            original_load(self, state, *a, **kw)
+            self.step += 1
+
+        PackedLoader.load_state_dict = load_state_dict
+    elif kind == "graph_break":
+        from megacpp.model.ffn import FFN
+
+        original_forward = FFN.forward
+
+        def forward(self, *a, **kw):
+            torch._dynamo.graph_break()
+            return original_forward(self, *a, **kw)
+
+        FFN.forward = forward
+    else:
+        raise SystemExit(f"unknown fault {kind!r}")
+    return args
+
+
+def main() -> int:
+    faults, args = parse(sys.argv[1:])
+    rank = int(os.environ.get("RANK", "0"))
+    for kind, fault_rank, step in faults:
+        if fault_rank == rank:
+            args = install(kind, step, args)
+    from megacpp.cli import main as cli_main
+
+    return cli_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

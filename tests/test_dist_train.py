@@ -1,0 +1,256 @@
+"""Multi-process training under torchrun (gloo, 2 CPU ranks): each launch runs under a wall-clock limit,
+so a hang fails its test instead of stalling CI.
+
+Faults are injected by tests/dist/launch.py (test-only hooks applied before the CLI starts).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megacpp.train.checkpoint import list_checkpoints, verify_checkpoint
+from tests.helpers import tiny_train_args, write_corpus
+from tests.torchrun import Launch, python, torchrun, two_nodes
+
+pytestmark = pytest.mark.slow
+
+LAUNCH = "tests/dist/launch.py"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist") / "corpus"
+    write_corpus(root)
+    return root
+
+
+def args(tmp_path, corpus, **overrides: str) -> list[str]:
+    """tiny at toy width: 2 rows per rank, checkpoints every 3 steps, a fingerprint check every step."""
+    base = {"train.batch_size": "2", "dist.fingerprint_every": "1"}
+    return tiny_train_args(tmp_path, corpus, **{**base, **overrides})
+
+
+def launch(tmp_path, corpus, *faults: str, nproc: int = 2, timeout: float = 240, **overrides: str) -> Launch:
+    fault_args = [arg for f in faults for arg in ("--fault", f)]
+    return torchrun([LAUNCH, *fault_args, *args(tmp_path, corpus, **overrides)], nproc, timeout)
+
+
+def losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def errors(launch: Launch) -> list[str]:
+    """The one-line errors the ranks printed."""
+    return re.findall(r"^(?:\[default\d+\]:)?megacpp: (?:config )?error: (.*)$", launch.output, flags=re.M)
+
+
+# ---------------------------------------------------------------- 1. smoke, several hosts
+
+
+def test_smoke_two_ranks_train_the_tiny_preset_with_a_checkpoint(tmp_path, corpus):
+    result = torchrun(["-m", "megacpp.cli", *tiny_train_args(tmp_path, corpus, **{
+        "train.batch_size": "2", "train.steps": "4", "train.ckpt_every": "4", "train.eval_every": "4"})]).check()
+    out = tmp_path / "run"
+    assert "done: 4 steps" in result.output
+    (ckpt,) = list_checkpoints(out)
+    meta = verify_checkpoint(ckpt)
+    assert meta["world_size"] == 2 and meta["global_batch"] == 4
+    assert (out / "logs" / "rank0.log").is_file() and (out / "logs" / "rank1.log").is_file()
+    assert (out / "sample.txt").is_file() and len(losses(out)) == 4
+
+
+def test_two_hosts_of_one_rank_each_with_their_own_data_caches(tmp_path, corpus):
+    """Two torchrun "nodes" meeting at one rendezvous address, each with a private data cache (as on
+    hosts that share no disk but the run directory): they prepare their data separately, agree on it
+    through the tokenizer hash and data key, and train."""
+    train_args = args(tmp_path, corpus, **{"train.steps": "3", "data.cache_dir": "@node"})
+    node_args = ["tests/dist/launch_node.py", *train_args]
+    results = two_nodes(node_args, timeout=240)
+    for r in results:
+        r.check()
+    assert "done: 3 steps" in results[0].output
+    assert (tmp_path / "node0-cache").is_dir() and (tmp_path / "node1-cache").is_dir()
+
+
+# ---------------------------------------------------------------- 2. parity at start
+
+
+def test_a_setting_that_differs_on_one_rank_stops_both_ranks_naming_it(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "config@1", timeout=120)
+    assert result.returncode != 0
+    found = errors(result)
+    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
+    assert "config.optim.muon_lr differs (rank 0: 0.02, rank 1: 0.021)" in found[0]
+    assert result.seconds < 60
+    assert not list_checkpoints(tmp_path / "run")
+
+
+# ---------------------------------------------------------------- 3-5. compile health under FSDP2
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("compiled")
+    result = launch(tmp, corpus, timeout=500, **{
+        "compile.mode": "blocks", "compile.backend": "aot_eager", "compile.forbid_recompiles": "true",
+        "train.steps": "4", "train.ckpt_every": "4"})
+    return tmp / "run", result
+
+
+def test_fsdp2_blocks_compile_with_zero_breaks_and_equal_graphs_on_both_ranks(compiled_run):
+    run_dir, result = compiled_run
+    result.check()
+    record = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "compile")
+    assert record["graph_break_sites"] == 0
+    assert record["graphs_per_rank"][0] == record["graphs_per_rank"][1] > 0
+
+
+def test_no_recompiles_after_warmup_with_forbid_recompiles(compiled_run):
+    run_dir, result = compiled_run
+    result.check()
+    record = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "compile")
+    assert record["recompiles_after_warmup"] == 0 and len(losses(run_dir)) == 4
+
+
+def test_a_planted_graph_break_fails_on_every_rank(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "graph_break@0", "graph_break@1", timeout=400, **{
+        "compile.mode": "blocks", "compile.backend": "eager", "train.steps": "3"})
+    assert result.returncode != 0
+    assert result.output.count("compile health bound exceeded after warmup") >= 2, result.output[-3000:]
+    assert "ffn" in result.output.lower()
+
+
+# ---------------------------------------------------------------- 6. batch and shape changes
+
+
+def test_batch_change_on_both_ranks_recompiles_nothing_and_a_one_rank_shape_change_stops_both():
+    result = torchrun(["tests/dist/shape_change.py"], timeout=300)
+    assert "both ranks: batch 2 -> 3 without a recompile" in result.output, result.output[-3000:]
+    assert result.returncode != 0 and result.seconds < 200
+    assert "RecompileError" in result.output and "rank 1" in result.output
+
+
+# ---------------------------------------------------------------- 7. stalls and deaths
+
+
+def test_a_rank_that_stalls_after_warmup_ends_the_job_within_seconds(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "stall@1:3", timeout=120, **{"dist.step_timeout_s": "5"})
+    assert result.returncode != 0 and result.seconds < 60
+    stacks = (tmp_path / "run" / "logs" / "stall_rank1.txt").read_text()
+    assert "no progress for 5 s during step 3" in stacks
+    assert "launch.py" in stacks and "train_step" in stacks, "every thread's stack, down to the stalled call"
+    assert "rank 1: no progress for 5 s" in result.output
+
+
+def test_a_rank_killed_with_sigkill_ends_the_job_within_seconds(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "kill@1:3", timeout=120, **{"dist.step_timeout_s": "20"})
+    assert result.returncode != 0 and result.seconds < 60
+    assert "SIGKILL" in result.output or "Signals.SIGKILL" in result.output or "exitcode  : -9" in result.output
+
+
+# ---------------------------------------------------------------- 8. failures on one rank
+
+
+def test_a_nonfinite_loss_on_one_rank_stops_every_rank_with_the_same_error(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "nan@1:4", **{"train.ckpt_every": "2", "train.steps": "6"})
+    assert result.returncode != 0
+    found = errors(result)
+    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
+    assert "step 4: loss is nan on rank(s) 1" in found[0]
+    assert "rank 1: first non-finite output at sublayer 2 (M: Mamba3)" in found[0]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002"]
+    verify_checkpoint(list_checkpoints(tmp_path / "run")[0])
+
+
+def test_an_unwritable_checkpoint_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path, corpus):
+    first = launch(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "2"}).check()
+    assert "done: 2 steps" in first.output
+    result = launch(tmp_path, corpus, "ckpt_write@1", **{"train.ckpt_every": "2", "train.steps": "4"})
+    assert result.returncode != 0
+    found = errors(result)
+    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
+    assert "checkpoint at step 2 was not saved (writing optimizer moments" in found[0]
+    assert "Permission denied" in found[0]
+    (kept,) = list_checkpoints(tmp_path / "run")
+    verify_checkpoint(kept)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+
+
+# ---------------------------------------------------------------- 9-10. state that must agree
+
+
+def test_a_resumed_rank_whose_loader_disagrees_is_stopped_naming_it(tmp_path, corpus):
+    launch(tmp_path, corpus, **{"train.steps": "3"}).check()
+    result = torchrun([LAUNCH, "--fault", "loader@1", *args(tmp_path, corpus, **{"train.steps": "6"}),
+                       "--resume"], timeout=120)
+    assert result.returncode != 0
+    found = errors(result)
+    assert len(found) == 2 and "rank parity (after resume): loader.step differs" in found[0], result.output[-3000:]
+
+
+def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_check(tmp_path, corpus):
+    result = launch(tmp_path, corpus, "drift@1:2", **{"train.steps": "5"})
+    assert result.returncode != 0
+    found = errors(result)
+    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
+    assert re.search(r"rank parity \(step 2\): replicated\.blocks\.\d+\.mixer\.expert_bias differs", found[0])
+
+
+# ---------------------------------------------------------------- equivalence with one process
+
+
+@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3)])
+def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, optimizer, bound):
+    """Tier 3: same global batch, data and initial weights. Step 1 (no update yet) agrees to 1e-5; the
+    8 steps to `bound`. The ranks' gradients are averaged by a reduce-scatter, one process averages over
+    the whole batch: the fp32 sums round differently (1e-7 relative). AdamW carries that through
+    (measured max 2e-6); Muon's bf16 Newton-Schulz turns it into bf16 rounding differences of the
+    update, which grow to 8.6e-4 by step 8 (measured; the same order with the MoE layer removed)."""
+    extra = {"train.steps": "8", "optim.use_muon": "true" if optimizer == "muon" else "false"}
+    single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **{**extra, "train.batch_size": "4"})],
+                    timeout=240).check()
+    assert "done: 8 steps" in single.output
+    launch(tmp_path / "two", corpus, **extra).check()
+    one, two = losses(tmp_path / "one" / "run"), losses(tmp_path / "two" / "run")
+    assert len(one) == len(two) == 8
+    assert abs(one[0] - two[0]) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= bound
+    assert one != two, "identical to the bit would mean the two runs did not split the batch"
+
+
+def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus):
+    """Interrupted at step 3 and resumed to 6 on 2 ranks: losses and final weights bit-identical to
+    an uninterrupted 2-rank run. The step-3 checkpoint loads bit-identically (weights, moments) on 2
+    ranks and on 1 rank at the same global batch."""
+    straight = tmp_path / "straight"
+    launch(straight, corpus, **{"train.steps": "6"}).check()
+    broken = tmp_path / "broken"
+    first = launch(broken, corpus, "interrupt@0:4", "interrupt@1:4", **{"train.steps": "6"})
+    assert first.returncode != 0 and [p.name for p in list_checkpoints(broken / "run")] == ["step_00000003"]
+    for nproc, batch in ((2, "2"), (1, "4")):
+        inspect = args(broken, corpus, **{"train.steps": "6", "train.batch_size": batch})
+        result = torchrun(["tests/dist/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
+        assert result.output.count("PASS") == nproc
+    torchrun([LAUNCH, *args(broken, corpus, **{"train.steps": "6"}), "--resume"]).check()
+    assert losses(broken / "run") == losses(straight / "run")
+    a = load_file(list_checkpoints(straight / "run")[0] / "model.safetensors")
+    b = load_file(list_checkpoints(broken / "run")[0] / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tier2_sharded_decoding_equals_single_process_decoding(tmp_path, corpus):
+    """The end-of-run sample decoded by 2 ranks from the sharded model equals `megacpp sample` from
+    the saved weights on one process (same prompt, seed and settings)."""
+    launch(tmp_path, corpus, **{"train.steps": "3", "train.sample_tokens": "12"}).check()
+    sharded = (tmp_path / "run" / "sample.txt").read_text()
+    single = python(["-m", "megacpp.cli", "sample", "--checkpoint", str(tmp_path / "run"), "--tokens", "12",
+                  "--prompt", "#include <", "--temperature", "0.8", "--top-k", "40", "--seed", "1337"],
+                 timeout=120).check()
+    assert single.output.rstrip("\n").endswith(sharded) and len(sharded) > len("#include <")
