@@ -211,8 +211,27 @@ def test_tier2_val_loader_deterministic_with_correct_byte_counts(data):
     assert bits_per_byte(float(np.log(2)) * 8, 8) == pytest.approx(1.0)
 
 
+def test_tier1_a_small_val_split_is_evaluated_whole_on_any_rank_count(data):
+    """More rows asked for than the split holds (and a last batch that is not full): every row once,
+    over 1, 2 and 3 ranks, each rank the same number of batches, padding rows counting no bytes.
+    Breaks if the loader clamps to whole global batches (a small split would then fail or lose rows)."""
+    shards, T2 = data.shards, 2 * T
+    alone = ValLoader(shards, 4, T2, num_batches=1000)
+    total_rows = alone.num_rows
+    # The split must not fill whole batches on any rank count, or the test would mean nothing.
+    assert total_rows % 4 and total_rows % 8 and total_rows % 12
+    expected = sum(int(b.target_bytes.sum()) for b in alone)
+    real_rows = torch.cat([b.inputs[b.target_bytes.sum(dim=1) > 0] for b in alone])
+    for world in (2, 3):
+        ranks = [ValLoader(shards, 4, T2, num_batches=1000, rank=r, world_size=world) for r in range(world)]
+        assert len({len(r) for r in ranks}) == 1
+        assert sum(int(b.target_bytes.sum()) for r in ranks for b in r) == expected
+        rows = torch.cat([b.inputs[b.target_bytes.sum(dim=1) > 0] for r in ranks for b in r])
+        assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, real_rows.tolist()))
+
+
 def test_split_too_small_error(data):
-    with pytest.raises(ValueError, match="val split has .* tokens: one batch needs"):
-        ValLoader(data.shards, 64, 512)
+    with pytest.raises(ValueError, match="val split has .* tokens: one row needs"):
+        ValLoader(data.shards, 2, 1_000_000)
     with pytest.raises(ValueError, match="rank 2 not in"):
         PackedLoader(data.shards, B, T, rank=2, world_size=2)

@@ -188,7 +188,14 @@ class PackedLoader(_Packer):
 
 
 class ValLoader(_Packer):
-    """The validation split in manifest order, a fixed number of batches, the same every pass."""
+    """The validation split in manifest order, a fixed set of rows, the same every pass.
+
+    The rows evaluated are the split's first ``num_batches * world_size * batch_size`` rows (all rows
+    with None), or every row when the split holds fewer, so a small validation split is evaluated
+    whole instead of failing. Every rank yields the same number of batches of `batch_size` rows (a
+    sharded forward is collective); rows past the end are padding whose targets count for nothing
+    (``target_bytes`` 0).
+    """
 
     def __init__(
         self, shards: ShardSet, batch_size: int, seq_len: int, *, num_batches: int | None = None,
@@ -196,11 +203,12 @@ class ValLoader(_Packer):
         device: str | torch.device = "cpu", pin_memory: bool = False,
     ) -> None:
         super().__init__(shards, split, batch_size, seq_len, rank, world_size, device, pin_memory)
-        if self.steps_per_epoch == 0:
-            raise self._too_small()
-        # None = the whole split; clamped to what the split holds, identically on every rank.
-        wanted = self.steps_per_epoch if num_batches is None else num_batches
-        self.num_batches = min(wanted, self.steps_per_epoch)
+        if self.rows_per_epoch == 0:
+            raise ValueError(f"{self.split.name} split has {self.split.num_tokens} tokens: one row needs "
+                             f"seq_len+1 = {seq_len + 1}; lower data.seq_len or raise data.val_fraction")
+        wanted = self.rows_per_epoch if num_batches is None else num_batches * self.global_batch
+        self.num_rows = min(wanted, self.rows_per_epoch)  # identical on every rank
+        self.num_batches = -(-self.num_rows // self.global_batch)
         self._stream = _Stream(self.split, np.arange(self.split.num_docs))
 
     def __len__(self) -> int:
@@ -208,7 +216,13 @@ class ValLoader(_Packer):
 
     def __iter__(self) -> Iterator[ValBatch]:
         for step in range(self.num_batches):
-            rows = self._rows(self._stream, step)
+            first = (step * self.world_size + self.rank) * self.batch_size
+            real = max(0, min(self.batch_size, self.num_rows - first))
+            rows = self._stream.rows(first if real else 0, max(real, 1), self.seq_len)
+            # Padding repeats a real row so shapes stay fixed; its targets stand for no bytes.
+            rows = np.concatenate([rows, np.repeat(rows[:1], self.batch_size - real, axis=0)]) \
+                if real < self.batch_size else rows
             inputs, targets = rows[:, :-1], rows[:, 1:]
             target_bytes = self.shards.token_bytes[targets]
+            target_bytes[real:] = 0
             yield ValBatch(*self._tensors(inputs, targets, self._doc_ids(inputs), target_bytes))

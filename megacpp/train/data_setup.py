@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from megacpp.data import CodeTokenizer, DataConfig, PackedLoader, ShardSet, ValBatch, ValLoader, prepare_data
-from megacpp.data.corpus import discover_corpus
+from megacpp.data.corpus import CorpusError, discover_corpus
 from megacpp.data.prepare import load_or_train_tokenizer
 
 
@@ -57,8 +57,12 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     cfg.validate()
     prepared = prepare_data(cfg, progress=progress, log=log)
     device = torch.device(device)
-    loader = PackedLoader(prepared.shards, batch_size, cfg.seq_len, rank=rank, world_size=world_size,
-                          seed=seed + cfg.shuffle_seed, device=device)
+    try:
+        loader = PackedLoader(prepared.shards, batch_size, cfg.seq_len, rank=rank, world_size=world_size,
+                              seed=seed + cfg.shuffle_seed, device=device)
+        ValLoader(prepared.shards, batch_size, cfg.seq_len, num_batches=1, rank=rank, world_size=world_size)
+    except ValueError as exc:  # before any training: not at the first evaluation
+        raise CorpusError(f"{exc} (corpus: {prepared.corpus.summary().splitlines()[0]})") from exc
     return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
                       unigram_bits_per_byte(prepared.shards), rank, world_size)
 

@@ -327,6 +327,8 @@ class Trainer:
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
+                if self.device.type == "cuda":
+                    record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                     postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
                 if metrics is not None and (self.step % tc.log_every == 0 or self.step == tc.steps):
                     metrics.log(self.step, "train", record)

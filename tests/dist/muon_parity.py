@@ -6,11 +6,17 @@ states to be bitwise equal after each step. Shapes cover tall, wide and square m
 matrix, row counts that do not divide by the world size, fewer matrices of a shape than ranks,
 fewer rows than ranks, and stacked (E, A, B) parameters with E not divisible by the world size.
 
+On a GPU (``--device cuda``, NCCL) cuBLAS may pick other kernels for the owner's smaller batches, so
+the comparison reports the largest difference relative to the parameters' scale and checks it against
+``--tolerance`` instead of requiring equality.
+
 Usage: torchrun --nproc-per-node=N tests/dist/muon_parity.py [--compile-backend aot_eager]
+       [--device cuda --tolerance 1e-6]
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,7 +41,7 @@ COPIES = {"tall": 3, "wide": 2, "square": 1}  # same-shape buckets with more and
 
 
 def build(make_param) -> list[dict]:
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(7)
     groups = []
     for name, (shape, settings) in SHAPES.items():
         params = [make_param(torch.randn(shape, generator=gen)) for _ in range(COPIES.get(name, 1))]
@@ -46,9 +52,27 @@ def build(make_param) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compile-backend", default="")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tolerance", type=float, default=0.0)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if args.device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        torch.set_default_device(f"cuda:{local}")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    worst = 0.0
+
+    def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        nonlocal worst
+        if args.tolerance == 0:
+            assert torch.equal(a, b), what
+            return
+        err = ((a.double() - b.double()).abs().max() / a.double().abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+        assert err <= args.tolerance, f"{what}: relative difference {err:.3e} > {args.tolerance}"
     kwargs = dict(lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=True, variance_reduction=True,
                   cautious_weight_decay=True, momentum_dtype="float32")
     if args.compile_backend:
@@ -60,7 +84,7 @@ def main() -> None:
     shard_params = [p for g in sharded.param_groups for p in g["params"]]
     from torch._dynamo.utils import counters
 
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(11)
     graphs_after_first_step = None
     for step in range(4):
         for p, q in zip(ref_params, shard_params, strict=True):
@@ -72,17 +96,16 @@ def main() -> None:
             opt.set_hparam("lr", lr)
             opt.step()
         for i, (p, q) in enumerate(zip(ref_params, shard_params, strict=True)):
-            assert torch.equal(p.detach(), q.detach().full_tensor()), f"step {step}: parameter {i} {tuple(p.shape)}"
+            same(p.detach(), q.detach().full_tensor(), f"step {step}: parameter {i} {tuple(p.shape)}")
             for key, value in reference.state[p].items():
-                other = sharded.state[q][key]
-                assert torch.equal(value, other.full_tensor()), f"step {step}: {key} of parameter {i}"
+                same(value, sharded.state[q][key].full_tensor(), f"step {step}: {key} of parameter {i}")
         if step == 0:
             graphs_after_first_step = counters["stats"]["unique_graphs"]
     if args.compile_backend:
         graphs = counters["stats"]["unique_graphs"]
         assert graphs > 0 and graphs == graphs_after_first_step, (graphs_after_first_step, graphs)
         print(f"rank {dist.get_rank()} compiled {graphs} graphs in the first step, none after")
-    print(f"rank {dist.get_rank()} PASS")
+    print(f"rank {dist.get_rank()} PASS (largest relative difference {worst:.3e})")
     dist.destroy_process_group()
 
 

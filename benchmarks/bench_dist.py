@@ -1,0 +1,120 @@
+"""Multi-GPU benchmarks: `megacpp train` under torchrun, each variant a fresh job.
+
+Variants (name: what runs):
+- ``small-1``: `small` on 1 GPU, micro-batch 16 x 2 accumulation steps (global batch 32 sequences);
+- ``small-2``: `small` on 2 GPUs, micro-batch 16 per GPU (the same global batch, the same token stream);
+- ``nam52-dD``: `nam52` cut to depth D (its pattern and widths unchanged) on all visible GPUs.
+
+    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2 --steps 40
+    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
+
+For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
+time (compile), peak memory of rank 0; for the small pair, the scaling efficiency (per-GPU tokens/s
+of 2 GPUs over 1) and the largest loss difference between the two runs (same global batch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SMALL = {"small-1": (1, ["--train.batch_size=16", "--train.grad_accum=2"]),
+         "small-2": (2, ["--train.batch_size=16", "--train.grad_accum=1"])}
+
+
+def plan(name: str, gpus: int) -> tuple[int, list[str], str]:
+    """(processes, extra arguments, preset) of a variant."""
+    if name in SMALL:
+        nproc, extra = SMALL[name]
+        return nproc, extra, "small"
+    if name.startswith("nam52-d"):
+        return gpus, [f"--model.depth={int(name.removeprefix('nam52-d'))}"], "nam52"
+    raise SystemExit(f"unknown variant {name!r}")
+
+
+def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    nproc, extra, preset = plan(name, args.gpus)
+    out = Path(args.out) / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megacpp.cli", "train", "--preset", preset, "--no-progress", f"--train.steps={args.steps}",
+           f"--train.out_dir={out}", f"--train.eval_every={args.steps}", f"--train.ckpt_every={args.steps}",
+           "--train.sample_tokens=16", "--train.tensorboard=false", "--train.eval_batches=4",
+           *extra, *(f"--{kv}" for kv in args.set)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    log = Path(args.out) / f"{name}.log"
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print(f"{name}: FAILED (exit {proc.returncode}); tail of {log}:\n{(proc.stdout + proc.stderr)[-4000:]}",
+              flush=True)
+        return {"name": name, "failed": True}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    late = train[len(train) // 2:]
+    tokens_per_step = _tokens_per_step(out, nproc)
+    result = {
+        "name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": [r["loss"] for r in train],
+        "first_step_s": tokens_per_step / train[0]["tok_per_s"],
+        "step_ms": 1000 * statistics.median(tokens_per_step / r["tok_per_s"] for r in late),
+        "tok_s_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in late),
+        "mfu": statistics.median(r.get("mfu", 0.0) for r in late),
+        "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in train),
+        "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
+    }
+    print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
+          f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%, peak {result['peak_gib']:.1f} GiB, "
+          f"final loss {result['losses'][-1]:.4f}, wall {wall:.0f} s", flush=True)
+    return result
+
+
+def _tokens_per_step(run_dir: Path, nproc: int) -> int:
+    """Global tokens per optimizer step, from the run's own config."""
+    import tomllib
+
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    return nproc * cfg["train"]["batch_size"] * cfg["train"]["grad_accum"] * cfg["data"]["seq_len"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="/tmp/bench_dist")
+    p.add_argument("--variants", default="small-1,small-2")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--gpus", type=int, default=int(os.environ.get("GPUS", "0")) or None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant")
+    args = p.parse_args()
+    if args.gpus is None:
+        import torch
+
+        args.gpus = torch.cuda.device_count()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    results = {name: run_variant(name, args, env) for name in args.variants.split(",")}
+
+    print(f"\n{'variant':<12}{'GPUs':>5}{'first s':>9}{'step ms':>9}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}"
+          f"{'loss':>8}")
+    for r in results.values():
+        if r["failed"]:
+            print(f"{r['name']:<12}{'failed':>14}")
+            continue
+        print(f"{r['name']:<12}{r['gpus']:>5}{r['first_step_s']:>9.1f}{r['step_ms']:>9.0f}{r['tok_s_gpu']:>11,.0f}"
+              f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>10.1f}{r['losses'][-1]:>8.4f}")
+    one, two = results.get("small-1"), results.get("small-2")
+    if one and two and not one["failed"] and not two["failed"]:
+        diffs = [abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True)]
+        print(f"small: scaling efficiency {100 * two['tok_s_gpu'] / one['tok_s_gpu']:.1f}% per GPU (2 vs 1); "
+              f"same global batch: max |loss 1 GPU - loss 2 GPUs| {max(diffs):.3e} over {len(diffs)} steps, "
+              f"final {one['losses'][-1]:.4f} vs {two['losses'][-1]:.4f}")
+        print("loss curves (step: 1 GPU, 2 GPUs): " + ", ".join(
+            f"{i + 1}: {a:.3f}/{b:.3f}" for i, (a, b) in enumerate(zip(one["losses"], two["losses"], strict=True))
+            if i % 5 == 0 or i == len(diffs) - 1))
+
+
+if __name__ == "__main__":
+    main()
