@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
+from megacpp.errors import MegacppError
 from megacpp.presets import PRESETS, preset
 
 EPILOG_CONFIG = """\
@@ -205,22 +206,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"megacpp: {message}", file=sys.stderr)
+    return code
+
+
+def _describe_os_error(exc: OSError) -> str:
+    """``strerror: filename`` as the shell says it; the path is the part a user can act on."""
+    if exc.filename is None:
+        return exc.strerror or str(exc)
+    names = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
+    return f"{exc.strerror or exc}: {names}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 on success, 2 on a configuration or usage error, 1 on any other explained error.
+
+    Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
+    one line. Anything else is a megacpp bug and keeps its traceback.
+    """
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
     except ConfigError as exc:
-        print(f"megacpp: config error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # user-facing errors from our own checks carry their explanation
-        from megacpp.errors import USER_ERRORS
-
-        if isinstance(exc, USER_ERRORS):
-            print(f"megacpp: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+        return _fail(f"config error: {exc}", 2)
+    except MegacppError as exc:
+        return _fail(f"error: {exc}", 1)
+    except OSError as exc:
+        return _fail(f"error: {_describe_os_error(exc)}", 1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
 from megacpp.dist.config import DistConfig
+from megacpp.errors import MegacppError
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
 from megacpp.train.config import TrainConfig
@@ -38,7 +39,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(MegacppError, ValueError):
     """A configuration value, key or file that cannot be used."""
 
 

@@ -24,11 +24,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megacpp.errors import MegacppError
+
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegacppError, RuntimeError):
     """A checkpoint that is missing, corrupt, truncated or incompatible with this run."""
 
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, ConfigError, dump_toml, to_dict
+from megacpp.errors import MegacppError
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.model.pattern import expand_pattern
@@ -41,7 +42,7 @@ def _floats(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items()}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(MegacppError, RuntimeError):
     """Training produced a NaN or infinite loss; the last good checkpoint is left untouched."""
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megacpp.compile.versions import torch_version
-from megacpp.config import Config
+from megacpp.config import Config, ConfigError
 from megacpp.model.moe import MoE
 from megacpp.optim import OptimizerStack, build_optimizers
 
@@ -22,7 +22,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device = {name!r} but torch {torch_version()} sees no CUDA device")
+        raise ConfigError(f"train.device = {name!r} but torch {torch_version()} sees no CUDA device")
     return device
 
 
