@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megacpp.compile.config import BACKENDS, MODES
 from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
 from megacpp.errors import MegacppError
 from megacpp.presets import PRESETS, preset
@@ -196,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "print the resolved configuration as TOML")
 
     p = add("compile-report", cmd_compile_report, "per-callsite torch.compile table: graphs, breaks, recompiles")
-    p.add_argument("--backend", choices=["eager", "aot_eager", "inductor"], default="eager")
-    p.add_argument("--mode", choices=["model", "blocks"], default="blocks")
+    p.add_argument("--backend", choices=BACKENDS, default="eager")
+    p.add_argument("--mode", choices=[m for m in MODES if m != "none"], default="blocks")
     p.add_argument("--device", default="auto")
 
     p = add("cache", cmd_cache, "export or import the warm torch.compile cache", config=False)

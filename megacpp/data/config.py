@@ -4,10 +4,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 SOURCE_EXTENSIONS = [
     ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
 ]
+
+JsonlErrors = Literal["skip", "raise"]  # skip: count bad lines in the summary | raise: error naming file:line
 
 # Special tokens; a byte-level vocabulary needs 256 byte tokens besides these.
 MIN_VOCAB_SIZE = 256 + 3
@@ -27,7 +30,7 @@ class DataConfig:
     text_extensions: list[str] = field(default_factory=lambda: [".txt"])
     jsonl_extensions: list[str] = field(default_factory=lambda: [".jsonl"])
     jsonl_field: str = "text"
-    jsonl_errors: str = "skip"  # skip: count bad lines in the summary | raise: error naming file:line
+    jsonl_errors: JsonlErrors = "skip"
     # Per-document UTF-8 size limits; the default cap drops a few multi-MB generated headers.
     min_bytes: int = 16
     max_bytes: int = 1_000_000
@@ -47,7 +50,7 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first field with an invalid value."""
         checks = [
-            ("jsonl_errors", self.jsonl_errors in ("skip", "raise"), "must be 'skip' or 'raise'"),
+            ("jsonl_errors", self.jsonl_errors in get_args(JsonlErrors), "must be 'skip' or 'raise'"),
             ("min_bytes", 0 <= self.min_bytes <= self.max_bytes, "must satisfy 0 <= min_bytes <= max_bytes"),
             ("val_fraction", 0.0 <= self.val_fraction < 1.0, "must be in [0, 1)"),
             ("vocab_size", self.vocab_size >= MIN_VOCAB_SIZE, f"must be >= {MIN_VOCAB_SIZE}"),
