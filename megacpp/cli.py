@@ -7,22 +7,25 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megacpp.compile.config import BACKENDS, MODES
-from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
+from megacpp.config import Config, ConfigError, dump_toml, load_config
 from megacpp.errors import MegacppError
-from megacpp.presets import PRESETS, preset
+from megacpp.presets import PRESETS
 
 EPILOG_CONFIG = """\
 configuration:
-  Start from --preset (default: tiny) or --config FILE.toml (which may itself say preset = "..."),
-  then override any field with --section.key VALUE, e.g.
+  Three layers, each overriding the one before: preset < config file < command line.
+  The preset is --preset or the file's `preset = "..."` (two different names are an error); with
+  neither, a --config file starts from the built-in defaults and no file means --preset tiny.
+  Override any field with --section.key VALUE, e.g.
       megacpp train --model.depth 12 --train.steps 2000 --optim.muon_lr 0.02
   `megacpp config --preset small` prints every key with its value.
 """
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), help="named preset to start from (default: tiny)")
-    p.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (may set preset = ...)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="named preset to start from (default: the file's preset, else tiny)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (may set preset = ..., the same one)")
 
 
 def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
@@ -47,11 +50,8 @@ def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
-    if args.config is not None:
-        cfg = load_toml(args.config, base=preset(args.preset) if args.preset else None)
-    else:
-        cfg = preset(args.preset or "tiny")
-    return apply_overrides(cfg, _split_overrides(rest))
+    cfg, _sources = load_config(args.preset, args.config, _split_overrides(rest))
+    return cfg
 
 
 # ---------------------------------------------------------------- subcommands
