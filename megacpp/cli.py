@@ -18,7 +18,9 @@ configuration:
   neither, a --config file starts from the built-in defaults and no file means --preset tiny.
   Override any field with --section.key VALUE, e.g.
       megacpp train --model.depth 12 --train.steps 2000 --optim.muon_lr 0.02
-  `megacpp config --preset small` prints every key with its value.
+  The merged configuration is checked once, before any data work; an error names the key and where
+  its value came from (file:line, --key, the preset). `megacpp config --preset small` prints every
+  key with its value.
 """
 
 

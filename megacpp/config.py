@@ -1,7 +1,7 @@
 """Run configuration: nested dataclasses, TOML files, ``--section.key value`` overrides, presets.
 
 `load_config` merges the three layers (preset < TOML file < command line), records where each value
-came from (`Provenance`). Every error names the offending key
+came from (`Provenance`) and runs the gate (`megacpp.validate`). Every error names the offending key
 and where it came from (file and line, the command line, the preset or a checkpoint's meta.json).
 """
 from __future__ import annotations
@@ -63,6 +63,10 @@ class Provenance:
 
     def source(self, key: str) -> str:
         return self._keys.get(key, self.base)
+
+    def is_set(self, key: str) -> bool:
+        """Whether a merge set ``key`` (rather than the starting point)."""
+        return key in self._keys
 
 
 # ---------------------------------------------------------------- type coercion
@@ -138,6 +142,20 @@ def merge_dict(
             sources.record(dotted, where(dotted))
 
 
+def check_types(obj: Any, label: Callable[[str], str], prefix: str = "") -> None:
+    """Check every field of the dataclass tree ``obj`` against its annotation, as a merge does.
+
+    For configs built or changed in Python, which never went through a merge; ``label(dotted)``
+    starts each error (e.g. "run.toml:4: model.depth").
+    """
+    for key, tp in _field_types(type(obj)).items():
+        dotted, value = f"{prefix}{key}", getattr(obj, key)
+        if dataclasses.is_dataclass(value):
+            check_types(value, label, f"{dotted}.")
+        else:
+            _coerce(value, tp, label(dotted))
+
+
 # ---------------------------------------------------------------- TOML files
 
 
@@ -209,6 +227,12 @@ def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
     return None if file is not None else DEFAULT_PRESET
 
 
+def _validate(cfg: Config, sources: Provenance) -> None:
+    from megacpp.validate import validate_config  # the gate imports this module: import late
+
+    validate_config(cfg, sources)
+
+
 def _starting_point(preset_name: str | None) -> tuple[Config, Provenance]:
     if preset_name is None:
         return Config(), Provenance("built-in default")
@@ -223,7 +247,7 @@ def load_config(
     overrides: Sequence[tuple[str, str]] = (),
 ) -> tuple[Config, Provenance]:
     """Merge preset < TOML file < command-line overrides, later layers winning, and record where each
-    value came from."""
+    value came from; then the gate (`megacpp.validate`) checks the result, before any data work."""
     file = read_toml(path) if path is not None else None
     cfg, sources = _starting_point(resolve_preset(preset_name, file))
     if file is not None:
@@ -231,6 +255,7 @@ def load_config(
     cfg = apply_overrides(cfg, overrides)
     for dotted, _ in overrides:
         sources.record(dotted, _cli_where(dotted))
+    _validate(cfg, sources)
     return cfg, sources
 
 
@@ -246,7 +271,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
     """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
     cfg = Config()
-    merge_dict(cfg, data, lambda _key: source, Provenance(source))
+    sources = Provenance(source)
+    merge_dict(cfg, data, lambda _key: source, sources)
+    _validate(cfg, sources)
     return cfg
 
 
@@ -315,7 +342,7 @@ def _cli_where(dotted: str) -> str:
 
 def apply_overrides(cfg: Config, overrides: Sequence[tuple[str, str]]) -> Config:
     """A copy of ``cfg`` with ``[("model.depth", "8"), ...]`` applied; unknown keys and wrong types
-    raise ConfigError. One merge step: `load_config` composes the layers."""
+    raise ConfigError. One merge step only: `load_config` runs the gate on the finished result."""
     cfg = copy.deepcopy(cfg)
     for dotted, raw in overrides:
         where = _cli_where(dotted)

@@ -23,7 +23,3 @@ class CompileConfig:
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
     autotune_subprocess: bool = False  # benchmark autotune choices in a subprocess
     cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
-
-    def __post_init__(self) -> None:
-        if self.max_graph_breaks < 0 or self.max_recompiles_after_warmup < 0:
-            raise ValueError("compile bounds must be >= 0")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 SOURCE_EXTENSIONS = [
     ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
@@ -48,19 +48,8 @@ class DataConfig:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field with an invalid value."""
-        checks = [
-            ("jsonl_errors", self.jsonl_errors in get_args(JsonlErrors), "must be 'skip' or 'raise'"),
-            ("min_bytes", 0 <= self.min_bytes <= self.max_bytes, "must satisfy 0 <= min_bytes <= max_bytes"),
-            ("val_fraction", 0.0 <= self.val_fraction < 1.0, "must be in [0, 1)"),
-            ("vocab_size", self.vocab_size >= MIN_VOCAB_SIZE, f"must be >= {MIN_VOCAB_SIZE}"),
-            ("tokenizer_sample_bytes", self.tokenizer_sample_bytes > 0, "must be > 0"),
-            ("seq_len", self.seq_len > 0, "must be > 0"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"data.{name} = {getattr(self, name)!r} {why}")
-        for name in ("extensions", "text_extensions", "jsonl_extensions"):
-            bad = [e for e in getattr(self, name) if not e.startswith(".")]
-            if bad:
-                raise ValueError(f"data.{name}: extensions must start with '.', got {bad}")
+        """Raise ConfigError (a ValueError) naming the first field with an invalid value: the gate's
+        data rules, for callers that build a DataConfig directly."""
+        from megacpp.validate import validate_section  # the gate imports this module: import late
+
+        validate_section(self, "data")

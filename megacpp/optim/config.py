@@ -56,10 +56,3 @@ class OptimConfig:
     compile_step: bool = False  # compile each optimizer's whole step into one graph (opt-in)
     compile_backend: CompileBackend = "inductor"
     grad_clip_norm: float = 1.0  # 0 = off
-
-    def __post_init__(self) -> None:
-        if self.ns_steps < 1:
-            raise ValueError(f"ns_steps must be >= 1, got {self.ns_steps}")
-        for name in ("warmup_frac", "decay_frac", "final_lr_frac"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")

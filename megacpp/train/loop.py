@@ -14,11 +14,10 @@ from tqdm import tqdm
 
 from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
-from megacpp.config import Config, ConfigError, dump_toml, to_dict
+from megacpp.config import Config, dump_toml, to_dict
 from megacpp.errors import MegacppError
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
-from megacpp.model.pattern import expand_pattern
 from megacpp.train.checkpoint import (
     check_compatible,
     latest_valid_checkpoint,
@@ -35,6 +34,7 @@ from megacpp.train.runtime import (
     peak_flops,
     resolve_device,
 )
+from megacpp.validate import validate_config
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:
@@ -92,21 +92,15 @@ def find_nonfinite_sublayer(model: HybridLM, x: torch.Tensor, doc_ids: torch.Ten
     return "no sublayer in a re-run (the loss or backward overflowed)"
 
 
-def check_before_data(cfg: Config) -> None:
-    """Fail on what the config alone can tell, before minutes of corpus and tokenizer work."""
-    expand_pattern(cfg.model.pattern, cfg.model.depth)
-    if cfg.data.seq_len > cfg.model.attention.max_seq_len:
-        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.attention.max_seq_len = "
-                          f"{cfg.model.attention.max_seq_len} (the RoPE table length); raise the latter")
-
-
 class Trainer:
     def __init__(self, cfg: Config, log=print, progress: bool = True) -> None:
         self.cfg = cfg
         self.log = log
         self.progress = progress
         tc = cfg.train
-        check_before_data(cfg)
+        # Configs built in Python never met load_config: fail on what the config alone can tell
+        # before minutes of corpus and tokenizer work.
+        validate_config(cfg)
         self.device = resolve_device(tc.device)
         self.mode = configure_mode(tc.deterministic)
         self.compile_status = prepare_compile(cfg.compile)  # cache dir, env, Dynamo policy: before any compile
