@@ -6,21 +6,28 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
-from megacpp.presets import PRESETS, preset
+from megacpp.compile.config import BACKENDS, MODES
+from megacpp.config import Config, ConfigError, dump_toml, load_config
+from megacpp.errors import MegacppError
+from megacpp.presets import PRESETS
 
 EPILOG_CONFIG = """\
 configuration:
-  Start from --preset (default: tiny) or --config FILE.toml (which may itself say preset = "..."),
-  then override any field with --section.key VALUE, e.g.
+  Three layers, each overriding the one before: preset < config file < command line.
+  The preset is --preset or the file's `preset = "..."` (two different names are an error); with
+  neither, a --config file starts from the built-in defaults and no file means --preset tiny.
+  Override any field with --section.key VALUE, e.g.
       megacpp train --model.depth 12 --train.steps 2000 --optim.muon_lr 0.02
-  `megacpp config --preset small` prints every key with its value.
+  The merged configuration is checked once, before any data work; an error names the key and where
+  its value came from (file:line, --key, the preset). `megacpp config --preset small` prints every
+  key with its value.
 """
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), help="named preset to start from (default: tiny)")
-    p.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (may set preset = ...)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="named preset to start from (default: the file's preset, else tiny)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (may set preset = ..., the same one)")
 
 
 def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
@@ -45,11 +52,8 @@ def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
-    if args.config is not None:
-        cfg = load_toml(args.config, base=preset(args.preset) if args.preset else None)
-    else:
-        cfg = preset(args.preset or "tiny")
-    return apply_overrides(cfg, _split_overrides(rest))
+    cfg, _sources = load_config(args.preset, args.config, _split_overrides(rest))
+    return cfg
 
 
 # ---------------------------------------------------------------- subcommands
@@ -195,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "print the resolved configuration as TOML")
 
     p = add("compile-report", cmd_compile_report, "per-callsite torch.compile table: graphs, breaks, recompiles")
-    p.add_argument("--backend", choices=["eager", "aot_eager", "inductor"], default="eager")
-    p.add_argument("--mode", choices=["model", "blocks"], default="blocks")
+    p.add_argument("--backend", choices=BACKENDS, default="eager")
+    p.add_argument("--mode", choices=[m for m in MODES if m != "none"], default="blocks")
     p.add_argument("--device", default="auto")
 
     p = add("cache", cmd_cache, "export or import the warm torch.compile cache", config=False)
@@ -205,22 +209,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"megacpp: {message}", file=sys.stderr)
+    return code
+
+
+def _describe_os_error(exc: OSError) -> str:
+    """``strerror: filename`` as the shell says it; the path is the part a user can act on."""
+    if exc.filename is None:
+        return exc.strerror or str(exc)
+    names = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
+    return f"{exc.strerror or exc}: {names}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 on success, 2 on a configuration or usage error, 1 on any other explained error.
+
+    Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
+    one line. Anything else is a megacpp bug and keeps its traceback.
+    """
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
     except ConfigError as exc:
-        print(f"megacpp: config error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # user-facing errors from our own checks carry their explanation
-        from megacpp.errors import USER_ERRORS
-
-        if isinstance(exc, USER_ERRORS):
-            print(f"megacpp: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+        return _fail(f"config error: {exc}", 2)
+    except MegacppError as exc:
+        return _fail(f"error: {exc}", 1)
+    except OSError as exc:
+        return _fail(f"error: {_describe_os_error(exc)}", 1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Run configuration: nested dataclasses, TOML files, ``--section.key value`` overrides, presets.
 
-Every error names the offending key and where it came from (file and line, or the command line).
+`load_config` merges the three layers (preset < TOML file < command line), records where each value
+came from (`Provenance`) and runs the gate (`megacpp.validate`). Every error names the offending key
+and where it came from (file and line, the command line, the preset or a checkpoint's meta.json).
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
 from megacpp.dist.config import DistConfig
+from megacpp.errors import MegacppError
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
 from megacpp.train.config import TrainConfig
@@ -38,8 +42,31 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(MegacppError, ValueError):
     """A configuration value, key or file that cannot be used."""
+
+
+class Provenance:
+    """Where each configuration value came from, so an error can point at the line to change.
+
+    Merges record every key they set ("run.toml:4", "command line --model.depth"); a key no merge set
+    reports `base`, the config's starting point ("preset 'tiny'", "built-in default", a checkpoint's
+    meta.json). It lives beside the Config, not in it, so a Config stays plain data.
+    """
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self._keys: dict[str, str] = {}
+
+    def record(self, key: str, source: str) -> None:
+        self._keys[key] = source
+
+    def source(self, key: str) -> str:
+        return self._keys.get(key, self.base)
+
+    def is_set(self, key: str) -> bool:
+        """Whether a merge set ``key`` (rather than the starting point)."""
+        return key in self._keys
 
 
 # ---------------------------------------------------------------- type coercion
@@ -96,8 +123,10 @@ def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")
 
 
-def merge_dict(obj: Any, data: dict[str, Any], where: typing.Callable[[str], str], prefix: str = "") -> None:
-    """Recursively assign ``data`` onto the dataclass ``obj`` with type checks."""
+def merge_dict(
+    obj: Any, data: dict[str, Any], where: Callable[[str], str], sources: Provenance, prefix: str = ""
+) -> None:
+    """Recursively assign ``data`` onto the dataclass ``obj`` with type checks, recording each key's source."""
     hints = _field_types(type(obj))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -107,9 +136,24 @@ def merge_dict(obj: Any, data: dict[str, Any], where: typing.Callable[[str], str
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where(dotted)}: {dotted!r} is a section, got {value!r}")
-            merge_dict(current, value, where, f"{dotted}.")
+            merge_dict(current, value, where, sources, f"{dotted}.")
         else:
             setattr(obj, key, _coerce(value, hints[key], f"{where(dotted)}: {dotted!r}"))
+            sources.record(dotted, where(dotted))
+
+
+def check_types(obj: Any, label: Callable[[str], str], prefix: str = "") -> None:
+    """Check every field of the dataclass tree ``obj`` against its annotation, as a merge does.
+
+    For configs built or changed in Python, which never went through a merge; ``label(dotted)``
+    starts each error (e.g. "run.toml:4: model.depth").
+    """
+    for key, tp in _field_types(type(obj)).items():
+        dotted, value = f"{prefix}{key}", getattr(obj, key)
+        if dataclasses.is_dataclass(value):
+            check_types(value, label, f"{dotted}.")
+        else:
+            _coerce(value, tp, label(dotted))
 
 
 # ---------------------------------------------------------------- TOML files
@@ -130,12 +174,21 @@ def _key_line(text: str, dotted: str) -> int | None:
     return None
 
 
-def load_toml(path: str | Path, base: Config | None = None) -> Config:
-    """Load a TOML config file; ``preset = "name"`` at the top selects the starting preset."""
+class TomlFile(NamedTuple):
+    data: dict[str, Any]  # the file's table, without its `preset` key
+    preset: str | None  # its `preset = "..."`, if any
+    where: Callable[[str], str]  # dotted key -> "file:line" (or the file alone when not found)
+
+
+def read_toml(path: str | Path) -> TomlFile:
+    """Parse a TOML config file; errors name the file (and line, where tomllib gives one)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+        raise ConfigError(f"config file {path} {'is not a file' if path.exists() else 'does not exist'}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); TOML files are UTF-8") from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -146,16 +199,69 @@ def load_toml(path: str | Path, base: Config | None = None) -> Config:
         return f"{path}:{line}" if line else str(path)
 
     preset_name = data.pop("preset", None)
-    if preset_name is not None:
-        if not isinstance(preset_name, str):
-            raise ConfigError(f"{where('preset')}: 'preset' expects a preset name, got {preset_name!r}")
-        from megacpp.presets import preset  # presets are built from Config: import late
+    if preset_name is not None and not isinstance(preset_name, str):
+        raise ConfigError(f"{where('preset')}: 'preset' expects a preset name, got {preset_name!r}")
+    return TomlFile(data, preset_name, where)
 
-        cfg = preset(preset_name)
-    else:
-        cfg = copy.deepcopy(base) if base is not None else Config()
-    merge_dict(cfg, data, where)
-    return cfg
+
+# ---------------------------------------------------------------- the one way to build a run's config
+
+DEFAULT_PRESET = "tiny"
+
+
+def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
+    """The preset a run starts from; None means the built-in defaults.
+
+    --preset and the file's `preset = ...` must agree when both are given: silently preferring one
+    would train a model the user did not ask for. With neither, a file starts from the built-in
+    defaults (it is a whole configuration of its own) and no file means DEFAULT_PRESET.
+    """
+    file_preset = file.preset if file is not None else None
+    if cli_preset and file_preset and cli_preset != file_preset:
+        raise ConfigError(
+            f"command line --preset {cli_preset} conflicts with preset = {file_preset!r} at "
+            f"{file.where('preset')}: drop one, or name the same preset in both"
+        )
+    if cli_preset or file_preset:
+        return cli_preset or file_preset
+    return None if file is not None else DEFAULT_PRESET
+
+
+def _validate(cfg: Config, sources: Provenance) -> None:
+    from megacpp.validate import validate_config  # the gate imports this module: import late
+
+    validate_config(cfg, sources)
+
+
+def _starting_point(preset_name: str | None) -> tuple[Config, Provenance]:
+    if preset_name is None:
+        return Config(), Provenance("built-in default")
+    from megacpp.presets import preset  # presets are built from Config: import late
+
+    return preset(preset_name), Provenance(f"preset {preset_name!r}")
+
+
+def load_config(
+    preset_name: str | None = None,
+    path: str | Path | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+) -> tuple[Config, Provenance]:
+    """Merge preset < TOML file < command-line overrides, later layers winning, and record where each
+    value came from; then the gate (`megacpp.validate`) checks the result, before any data work."""
+    file = read_toml(path) if path is not None else None
+    cfg, sources = _starting_point(resolve_preset(preset_name, file))
+    if file is not None:
+        merge_dict(cfg, file.data, file.where, sources)
+    cfg = apply_overrides(cfg, overrides)
+    for dotted, _ in overrides:
+        sources.record(dotted, _cli_where(dotted))
+    _validate(cfg, sources)
+    return cfg, sources
+
+
+def load_toml(path: str | Path) -> Config:
+    """A TOML config file merged onto its preset (or the built-in defaults)."""
+    return load_config(path=path)[0]
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -163,8 +269,11 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
     cfg = Config()
-    merge_dict(cfg, data, lambda _key: source)
+    sources = Provenance(source)
+    merge_dict(cfg, data, lambda _key: source, sources)
+    _validate(cfg, sources)
     return cfg
 
 
@@ -227,11 +336,16 @@ def _parse_cli_value(raw: str, tp: Any, where: str) -> Any:
     return _coerce(value, tp, where)
 
 
-def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
-    """Apply ``[("model.depth", "8"), ...]``; unknown keys and wrong types raise ConfigError."""
+def _cli_where(dotted: str) -> str:
+    return f"command line --{dotted}"
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[tuple[str, str]]) -> Config:
+    """A copy of ``cfg`` with ``[("model.depth", "8"), ...]`` applied; unknown keys and wrong types
+    raise ConfigError. One merge step only: `load_config` runs the gate on the finished result."""
     cfg = copy.deepcopy(cfg)
     for dotted, raw in overrides:
-        where = f"command line --{dotted}"
+        where = _cli_where(dotted)
         *path, key = dotted.split(".")
         obj: Any = cfg
         for i, part in enumerate(path):

@@ -1,17 +1,11 @@
-"""Errors that explain themselves: the CLI prints these as one line instead of a traceback."""
+"""The base class of every error megacpp explains to its user.
+
+The CLI prints a ``MegacppError`` as one line instead of a traceback, so a subclass promises that its
+message says what is wrong and where. This module imports nothing but the standard library: every
+module that defines such an error can import it without pulling in the trainer (or torch).
+"""
 from __future__ import annotations
 
-from megacpp.config import ConfigError
-from megacpp.data.corpus import CorpusError
-from megacpp.model.pattern import PatternError
-from megacpp.train.checkpoint import CheckpointError
-from megacpp.train.loop import NonFiniteLossError
 
-USER_ERRORS: tuple[type[Exception], ...] = (
-    ConfigError,
-    CorpusError,
-    PatternError,
-    CheckpointError,
-    NonFiniteLossError,
-    FileNotFoundError,
-)
+class MegacppError(Exception):
+    """A problem with the user's input or environment, explained by its message."""

@@ -29,6 +29,7 @@ from filelock import FileLock, Timeout
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.versions import supports, torch_version
+from megacpp.errors import MegacppError
 
 MANIFEST = "MANIFEST.json"
 FILES_DIR = "inductor"
@@ -39,7 +40,7 @@ _SKIP_NAMES = {LOCK, IMPORTED}
 _SKIP_DIRS = {"locks"}  # Inductor's own lock files
 
 
-class CacheError(RuntimeError):
+class CacheError(MegacppError, RuntimeError):
     """A cache directory cannot be used (not writable, not an export, ...)."""
 
 

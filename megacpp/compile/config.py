@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-MODES = ("none", "model", "blocks")
-BACKENDS = ("inductor", "aot_eager", "eager")
+CompileMode = Literal["none", "model", "blocks"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+MODES = get_args(CompileMode)
+BACKENDS = get_args(CompileBackend)
 
 
 @dataclass
 class CompileConfig:
-    mode: str = "blocks"  # none | model (whole model) | blocks (each block of model.blocks on its own)
-    backend: str = "inductor"  # inductor | aot_eager | eager (eager: Dynamo capture only, no lowering)
+    mode: CompileMode = "blocks"  # model: the whole model; blocks: each block of model.blocks on its own
+    backend: CompileBackend = "inductor"  # eager: Dynamo capture only, no lowering
     fullgraph: bool = False  # True: Dynamo raises at the first break instead of the bound check counting it
     dynamic_batch: bool = True  # mark the batch axis (dim 0) dynamic on warmup inputs; no other dim is
     max_graph_breaks: int = 0  # expected bound per forward over megacpp's own code; 0 for the hybrid
@@ -20,11 +23,3 @@ class CompileConfig:
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
     autotune_subprocess: bool = False  # benchmark autotune choices in a subprocess
     cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"compile.mode must be one of {MODES}, got {self.mode!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"compile.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.max_graph_breaks < 0 or self.max_recompiles_after_warmup < 0:
-            raise ValueError("compile bounds must be >= 0")

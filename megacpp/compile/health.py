@@ -33,6 +33,7 @@ from torch._dynamo.utils import get_compilation_metrics, graph_break_reasons
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.logs import ALERT_RULES, LogClassifier, LogKind
 from megacpp.compile.regions import CompiledModel
+from megacpp.errors import MegacppError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _COMPILE_ID = re.compile(r"(\d+)/(\d+)")
 _LIMIT_FUNCTION = re.compile(r"function: '(?P<name>[^']+)' \((?P<file>.+):(?P<line>\d+)\)")
 
 
-class CompileHealthError(RuntimeError):
+class CompileHealthError(MegacppError, RuntimeError):
     """A compile-health bound was exceeded (raised in tests and CI)."""
 
 

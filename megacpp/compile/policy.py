@@ -15,11 +15,12 @@ import torch._dynamo
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.versions import supports, torch_version
+from megacpp.errors import MegacppError
 
 log = logging.getLogger(__name__)
 
 
-class PolicyError(RuntimeError):
+class PolicyError(MegacppError, RuntimeError):
     """A policy setting cannot be found or does not read back on this torch."""
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 SOURCE_EXTENSIONS = [
     ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
 ]
+
+JsonlErrors = Literal["skip", "raise"]  # skip: count bad lines in the summary | raise: error naming file:line
 
 # Special tokens; a byte-level vocabulary needs 256 byte tokens besides these.
 MIN_VOCAB_SIZE = 256 + 3
@@ -27,7 +30,7 @@ class DataConfig:
     text_extensions: list[str] = field(default_factory=lambda: [".txt"])
     jsonl_extensions: list[str] = field(default_factory=lambda: [".jsonl"])
     jsonl_field: str = "text"
-    jsonl_errors: str = "skip"  # skip: count bad lines in the summary | raise: error naming file:line
+    jsonl_errors: JsonlErrors = "skip"
     # Per-document UTF-8 size limits; the default cap drops a few multi-MB generated headers.
     min_bytes: int = 16
     max_bytes: int = 1_000_000
@@ -45,19 +48,8 @@ class DataConfig:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field with an invalid value."""
-        checks = [
-            ("jsonl_errors", self.jsonl_errors in ("skip", "raise"), "must be 'skip' or 'raise'"),
-            ("min_bytes", 0 <= self.min_bytes <= self.max_bytes, "must satisfy 0 <= min_bytes <= max_bytes"),
-            ("val_fraction", 0.0 <= self.val_fraction < 1.0, "must be in [0, 1)"),
-            ("vocab_size", self.vocab_size >= MIN_VOCAB_SIZE, f"must be >= {MIN_VOCAB_SIZE}"),
-            ("tokenizer_sample_bytes", self.tokenizer_sample_bytes > 0, "must be > 0"),
-            ("seq_len", self.seq_len > 0, "must be > 0"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"data.{name} = {getattr(self, name)!r} {why}")
-        for name in ("extensions", "text_extensions", "jsonl_extensions"):
-            bad = [e for e in getattr(self, name) if not e.startswith(".")]
-            if bad:
-                raise ValueError(f"data.{name}: extensions must start with '.', got {bad}")
+        """Raise ConfigError (a ValueError) naming the first field with an invalid value: the gate's
+        data rules, for callers that build a DataConfig directly."""
+        from megacpp.validate import validate_section  # the gate imports this module: import late
+
+        validate_section(self, "data")

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megacpp.data.config import DataConfig
+from megacpp.errors import MegacppError
 
 
-class CorpusError(ValueError):
+class CorpusError(MegacppError, ValueError):
     """Bad corpus input: a missing path, a bad JSONL line, or nothing left after filtering."""
 
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from megacpp.data.corpus import Corpus, Document
 from megacpp.data.tokenizer import CodeTokenizer
+from megacpp.errors import MegacppError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -27,7 +28,7 @@ SPLITS = ("train", "val")
 _ENCODE_CHUNK = 256  # documents per encode_batch call: enough for the Rust thread pool
 
 
-class ShardError(RuntimeError):
+class ShardError(MegacppError, RuntimeError):
     """A shard directory that does not match its manifest or the requested corpus/tokenizer."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from megacpp.model.hints import ParamHint
 from megacpp.model.rope import apply_rope, document_index, positions_in_document, rope_table
 
-QK_CLIP_MODES = ("off", "weight", "activation")
-BACKENDS = ("auto", "sdpa", "flex")
+QkClipMode = Literal["off", "weight", "activation"]
+AttentionBackend = Literal["auto", "sdpa", "flex"]
+QK_CLIP_MODES = get_args(QkClipMode)
+BACKENDS = get_args(AttentionBackend)
 QK_NORM_EPS = 1e-6  # fixed so bf16 inputs do not get finfo(bf16).eps = 7.8e-3 added to mean(x^2)
 
 
@@ -32,9 +35,9 @@ class AttentionConfig:
     max_seq_len: int = 8192  # rows of the RoPE tables: longest training sequence or decode cache
     qk_norm: bool = True
     softcap: float = 0.0  # 0 = off; else logits -> softcap * tanh(logits / softcap)
-    qk_clip: str = "off"  # off | weight | activation
+    qk_clip: QkClipMode = "off"
     qk_clip_tau: float = 100.0
-    backend: str = "auto"  # auto | sdpa | flex (flex applies on CUDA; CPU always uses SDPA)
+    backend: AttentionBackend = "auto"  # flex applies on CUDA; CPU always uses SDPA
 
 
 def causal_document_mask(doc_ids: Tensor | None, t: int, device: torch.device) -> Tensor:

@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ACTIVATIONS = ("relu2", "swiglu")
+Activation = Literal["relu2", "swiglu"]
+ACTIVATIONS = get_args(Activation)
 
 
 @dataclass
 class FFNConfig:
     hidden: int = 512
-    activation: str = "relu2"  # relu2 | swiglu
+    activation: Activation = "relu2"
 
 
 class FFN(nn.Module):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from megacpp.errors import MegacppError
+
 BLOCK_KINDS: dict[str, str] = {
     "A": "attention",
     "M": "Mamba-3",
@@ -16,7 +18,7 @@ BLOCK_KINDS: dict[str, str] = {
 }
 
 
-class PatternError(ValueError):
+class PatternError(MegacppError, ValueError):
     """A pattern string or depth that cannot describe a model."""
 
 

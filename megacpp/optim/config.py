@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-LR_SCALINGS = ("original", "match_rms_adamw")
-COEFFICIENT_SETS = ("polar_express", "quintic")
-MOMENTUM_DTYPES = ("bfloat16", "float32")
-DECAY_SHAPES = ("linear", "cosine")
+from megacpp.compile.config import CompileBackend
+
+LRScaling = Literal["original", "match_rms_adamw"]
+CoefficientSet = Literal["polar_express", "quintic"]
+MomentumDtype = Literal["bfloat16", "float32"]
+DecayShape = Literal["linear", "cosine"]
+LR_SCALINGS = get_args(LRScaling)
+DECAY_SHAPES = get_args(DecayShape)
 
 
 @dataclass
@@ -23,11 +28,11 @@ class OptimConfig:
     cautious_weight_decay: bool = True
     variance_reduction: bool = True
     variance_beta2: float = 0.95
-    ns_coefficients: str = "polar_express"  # polar_express | quintic
+    ns_coefficients: CoefficientSet = "polar_express"
     ns_steps: int = 5
-    momentum_dtype: str = "bfloat16"  # bfloat16 | float32
-    muon_lr_scaling: str = "original"  # default for 2-D matrices: original | match_rms_adamw
-    expert_lr_scaling: str = "match_rms_adamw"  # default for stacked (E, A, B) expert weights
+    momentum_dtype: MomentumDtype = "bfloat16"
+    muon_lr_scaling: LRScaling = "original"  # default for 2-D matrices
+    expert_lr_scaling: LRScaling = "match_rms_adamw"  # default for stacked (E, A, B) expert weights
 
     # AdamW (embeddings, heads, norms, biases, scalars, tagged parameters)
     adamw_lr: float = 3e-3
@@ -44,27 +49,10 @@ class OptimConfig:
     warmup_steps: int | None = None
     decay_frac: float = 0.2
     decay_steps: int | None = None
-    decay_shape: str = "linear"  # linear | cosine
+    decay_shape: DecayShape = "linear"
     final_lr_frac: float = 0.0
 
     # Step execution
     compile_step: bool = False  # compile each optimizer's whole step into one graph (opt-in)
-    compile_backend: str = "inductor"
+    compile_backend: CompileBackend = "inductor"
     grad_clip_norm: float = 1.0  # 0 = off
-
-    def __post_init__(self) -> None:
-        _check_choice("muon_lr_scaling", self.muon_lr_scaling, LR_SCALINGS)
-        _check_choice("expert_lr_scaling", self.expert_lr_scaling, LR_SCALINGS)
-        _check_choice("ns_coefficients", self.ns_coefficients, COEFFICIENT_SETS)
-        _check_choice("momentum_dtype", self.momentum_dtype, MOMENTUM_DTYPES)
-        _check_choice("decay_shape", self.decay_shape, DECAY_SHAPES)
-        if self.ns_steps < 1:
-            raise ValueError(f"ns_steps must be >= 1, got {self.ns_steps}")
-        for name in ("warmup_frac", "decay_frac", "final_lr_frac"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}; expected one of {choices}")

@@ -29,12 +29,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megacpp.errors import MegacppError
+
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 2  # 2: optimizer moments by name in optim/ (1 kept them by index in state.pt)
 MOMENTS_DIR = "optim"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegacppError, RuntimeError):
     """A checkpoint that is missing, corrupt, truncated or incompatible with this run."""
 
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
-from megacpp.config import Config, ConfigError, dump_toml, to_dict
+from megacpp.config import Config, dump_toml, to_dict
 from megacpp.dist import checkpoint as dist_checkpoint
 from megacpp.dist.context import DistContext, init_distributed
 from megacpp.dist.health import check_compile_health
@@ -43,16 +43,17 @@ from megacpp.dist.parity import (
 from megacpp.dist.stats import StatisticsReducer
 from megacpp.dist.watchdog import StepWatchdog
 from megacpp.doctor import kernel_report
+from megacpp.errors import MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
-from megacpp.model.pattern import expand_pattern
 from megacpp.optim import Muon, build_optimizers
 from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.runtime import autocast_context, peak_flops
+from megacpp.validate import validate_config
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:
@@ -60,7 +61,7 @@ def _floats(values: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items()}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(MegacppError, RuntimeError):
     """Training produced a NaN or infinite loss; the last good checkpoint is left untouched."""
 
 
@@ -127,14 +128,6 @@ def find_nonfinite_sublayer(model: nn.Module, x: Tensor, doc_ids: Tensor) -> str
                 "no sublayer in a re-run (the loss or backward overflowed)")
 
 
-def check_before_data(cfg: Config) -> None:
-    """Fail on what the config alone can tell, before minutes of corpus and tokenizer work."""
-    expand_pattern(cfg.model.pattern, cfg.model.depth)
-    if cfg.data.seq_len > cfg.model.attention.max_seq_len:
-        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.attention.max_seq_len = "
-                          f"{cfg.model.attention.max_seq_len} (the RoPE table length); raise the latter")
-
-
 def weight_fingerprint(model: nn.Module) -> str:
     """A digest of every weight's float64 sum and sum of squares (cheap on the device, and any
     difference between ranks' initial weights changes it)."""
@@ -148,7 +141,9 @@ class Trainer:
     def __init__(self, cfg: Config, log=print, progress: bool = True, ctx: DistContext | None = None) -> None:
         self.cfg = cfg
         tc = cfg.train
-        check_before_data(cfg)
+        # Configs built in Python never met load_config: fail on what the config alone can tell
+        # before minutes of corpus and tokenizer work.
+        validate_config(cfg)
         self.mode = configure_mode(tc.deterministic)
         self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
         self.ctx = ctx or init_distributed(tc.device, cfg.dist, tc.out_dir)

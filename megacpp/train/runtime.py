@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megacpp.compile.versions import torch_version
-from megacpp.config import Config
+from megacpp.config import Config, ConfigError
 from megacpp.optim import OptimizerStack, build_optimizers
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU rather than a guess.
@@ -21,7 +21,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device = {name!r} but torch {torch_version()} sees no CUDA device")
+        raise ConfigError(f"train.device = {name!r} but torch {torch_version()} sees no CUDA device")
     return device
 
 
