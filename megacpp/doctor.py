@@ -37,7 +37,14 @@ PROMISES: list[tuple[str, str, str]] = [
      "tests/test_mamba3_scan.py::test_tier3_bf16_matmul_gradients_match_sequential_float64"),
     ("statistical only", "GPU fast path: attention backward and atomics-based reductions vary run to run",
      "BENCHMARKS.md (run-to-run loss spread)"),
-    ("statistical only", "multi-GPU collective reduction order", "(not yet built)"),
+    ("tier 1 bit-exact", "distributed Muon on FSDP2 shards == single-device Muon (CPU, 2 and 3 ranks)",
+     "tests/test_dist_muon.py::test_tier1_sharded_muon_equals_single_device_muon"),
+    ("tier 1 bit-exact", "2 ranks: interrupted + resumed == uninterrupted; the checkpoint loads bit-identically "
+     "on 1 and 2 ranks (CPU)", "tests/test_dist_train.py::test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks"),
+    ("tier 3 tolerance", "1 rank at batch 2B vs 2 ranks at batch B, 8 steps (AdamW 1e-4, Muon 2e-3; CPU)",
+     "tests/test_dist_train.py::test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2"),
+    ("statistical only", "multi-GPU on GPUs: gradient reduction order, and cuBLAS picks other kernels for the "
+     "owner rank's smaller Muon batches", "BENCHMARKS.md (1 vs 2 H200, same global batch)"),
 ]
 
 
@@ -77,6 +84,38 @@ def kernel_report() -> list[str]:
     return rows
 
 
+def distributed_report(cfg: Config) -> list[str]:
+    """What a torchrun job would run with here: backends, this process's torchrun variables, the
+    NCCL and flight-recorder settings in force, and the FSDP2 settings of the config."""
+    import os
+
+    import torch.distributed as dist
+
+    from megacpp.compile.env import TORCHRUN_DEFAULTS
+    from megacpp.dist.context import FLIGHT_RECORDER
+
+    if not dist.is_available():
+        return ["torch.distributed: not available in this torch build (single process only)"]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus and dist.is_nccl_available() else "unavailable"
+    rows = [f"backends: gloo {'yes' if dist.is_gloo_available() else 'no'}, NCCL {nccl}; megacpp uses "
+            + ("cuda:nccl,cpu:gloo" if gpus else "gloo (CPU)")
+            + (f"; up to {gpus} ranks per host (--nproc_per_node <= GPUs)" if gpus else "")]
+    torchrun = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+                if k in os.environ}
+    rows.append("torchrun: " + (", ".join(f"{k}={v}" for k, v in torchrun.items()) if torchrun
+                                 else "not under torchrun (launch: torchrun --nproc_per_node=N -m megacpp.cli train)"))
+    defaults = {**TORCHRUN_DEFAULTS, **FLIGHT_RECORDER}
+    rows += [f"{k}={os.environ.get(k, v + ' (megacpp default under torchrun)')}" for k, v in defaults.items()]
+    rows += [f"{k}={v} (set)" for k, v in sorted(os.environ.items())
+             if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")) and k not in defaults]
+    d = cfg.dist
+    rows.append(f"FSDP2: reshard_after_forward={d.reshard_after_forward}, all-gather dtype {d.param_dtype}, "
+                f"init timeout {d.init_timeout_s:.0f} s, step timeout {d.step_timeout_s:.0f} s, "
+                f"replica check every {d.fingerprint_every or 'checkpoint'} step(s)")
+    return rows
+
+
 def doctor_report(cfg: Config) -> str:
     from megacpp.compile.cache import describe_cache_dirs
     from megacpp.data.config import default_cache_dir
@@ -93,6 +132,8 @@ def doctor_report(cfg: Config) -> str:
         *(f"  {line}" for line in describe_cache_dirs(cfg.compile)),
         "kernels",
         *(f"  {k}" for k in kernel_report()),
+        "distributed",
+        *(f"  {line}" for line in distributed_report(cfg)),
         "determinism promises (test that backs each)",
         *(f"  {tier:<17} {what}\n  {'':<17} -> {test}" for tier, what, test in PROMISES),
     ]

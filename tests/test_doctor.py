@@ -22,6 +22,8 @@ def test_every_promise_names_a_test_that_exists():
 
 def test_doctor_report_sections():
     report = doctor_report(Config())
-    for section in ("versions", "devices", "caches", "kernels", "determinism promises"):
+    for section in ("versions", "devices", "caches", "kernels", "distributed", "determinism promises"):
         assert f"\n{section}" in f"\n{report}"
     assert "torch " in report and "tier 1 bit-exact" in report
+    assert "megacpp uses gloo (CPU)" in report or "megacpp uses cuda:nccl,cpu:gloo" in report
+    assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=" in report and "reshard_after_forward=False" in report

@@ -44,8 +44,9 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def torchrun_args(nproc: int, port: int, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    """torchrun meeting at 127.0.0.1:port, as on several hosts (--nnodes, --node-rank, --rdzv-endpoint)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+            f"--node-rank={node_rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--monitor-interval=1", "--max-restarts=0",
             "--tee=3"]  # each worker line prefixed "[default<rank>]:" and never cut by another's
 
