@@ -206,14 +206,17 @@ def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_chec
 # ---------------------------------------------------------------- equivalence with one process
 
 
-@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3)])
+@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3), ("muon+qk_clip", 2e-3)])
 def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, optimizer, bound):
     """Tier 3: same global batch, data and initial weights. Step 1 (no update yet) agrees to 1e-5; the
     8 steps to `bound`. The ranks' gradients are averaged by a reduce-scatter, one process averages over
     the whole batch: the fp32 sums round differently (1e-7 relative). AdamW carries that through
     (measured max 2e-6); Muon's bf16 Newton-Schulz turns it into bf16 rounding differences of the
     update, which grow to 8.6e-4 by step 8 (measured; the same order with the MoE layer removed)."""
-    extra = {"train.steps": "8", "optim.use_muon": "true" if optimizer == "muon" else "false"}
+    extra = {"train.steps": "8", "optim.use_muon": "false" if optimizer == "adamw" else "true"}
+    if optimizer == "muon+qk_clip":  # a tau that clips every step: row scaling of sharded QKV weights
+        extra.update({"model.attention.qk_clip": "weight", "model.attention.qk_norm": "false",
+                      "model.attention.qk_clip_tau": "0.5"})
     single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **{**extra, "train.batch_size": "4"})],
                     timeout=240).check()
     assert "done: 8 steps" in single.output
@@ -223,6 +226,17 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
     assert abs(one[0] - two[0]) <= 1e-5
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= bound
     assert one != two, "identical to the bit would mean the two runs did not split the batch"
+    if optimizer == "muon+qk_clip":
+        # Step 1 clips (bound 7.8 > tau), so step 2's bound is measured on the clipped QKV rows: equal
+        # bounds mean the ranks scaled their row shards as one process scales the whole matrix.
+        clip = {}
+        for name in ("one", "two"):
+            lines = (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()
+            records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+            clip[name] = [(r["muon_clip/max_logit"], r["muon_clip/n_clipped"]) for r in records]
+        assert clip["one"][0][1] > 0 and clip["one"][0][0] > 10 * 0.5
+        for (a, _), (b, _) in zip(clip["one"][:2], clip["two"][:2], strict=True):
+            assert abs(a - b) <= 1e-4 * a
 
 
 def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus):
