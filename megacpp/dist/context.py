@@ -10,7 +10,6 @@ Nothing here assumes one host: ranks are global, devices come from LOCAL_RANK.
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -86,13 +85,6 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
-
-    def agree(self, ok: bool, what: str) -> None:
-        """Raise on every rank unless every rank is ok; the message names the ranks that were not."""
-        verdicts = self.all_gather_objects(ok)
-        bad = [r for r, v in enumerate(verdicts) if not v]
-        if bad:
-            raise DistError(f"{what} failed on rank(s) {', '.join(map(str, bad))}")
 
     def set_timeout(self, seconds: float) -> bool:
         """Set the process-group timeout for later collectives; False when this torch cannot."""
@@ -170,10 +162,3 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistContext(rank, world, local_rank, device, mesh, backend)
-
-
-def object_digest(obj: Any) -> str:
-    """A short stable digest of a picklable value (for cross-rank comparisons of large objects)."""
-    import hashlib
-
-    return hashlib.blake2b(pickle.dumps(obj, protocol=4), digest_size=12).hexdigest()

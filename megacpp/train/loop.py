@@ -8,7 +8,6 @@ periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plo
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 import traceback
@@ -170,9 +169,8 @@ class Trainer:
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
-        make_muon = functools.partial(ShardedMuon, group=None) if ctx.distributed else Muon
         self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      make_muon=make_muon)
+                                      make_muon=ShardedMuon if ctx.distributed else Muon)
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
         self.losses: list[float] = []
@@ -252,10 +250,9 @@ class Trainer:
             total += loss.detach()
             last_batch = (x, doc_ids)
         self.reduce_statistics()
-        local = float(total.item())
         value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
         if not math.isfinite(value):
-            self._stop_nonfinite(value, local, last_batch)
+            self._stop_nonfinite(value, float(total.item()), last_batch)
         self.stack.step()
         run_after_optimizer_step(self.model)
         self.stack.zero_grad()
