@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
-from megacpp.dist.config import DistConfig
+from megacpp.distributed.config import DistConfig
 from megacpp.errors import MegacppError
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig

@@ -92,7 +92,7 @@ def distributed_report(cfg: Config) -> list[str]:
     import torch.distributed as dist
 
     from megacpp.compile.env import TORCHRUN_DEFAULTS
-    from megacpp.dist.context import FLIGHT_RECORDER
+    from megacpp.distributed.context import FLIGHT_RECORDER
 
     if not dist.is_available():
         return ["torch.distributed: not available in this torch build (single process only)"]

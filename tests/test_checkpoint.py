@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp.dist import checkpoint as dist_checkpoint
-from megacpp.dist.context import DistContext
+from megacpp.distributed import checkpoint as dist_checkpoint
+from megacpp.distributed.context import DistContext
 from megacpp.train.checkpoint import (
     CheckpointError,
     check_compatible,

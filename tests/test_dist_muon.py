@@ -10,11 +10,11 @@ def test_tier1_sharded_muon_equals_single_device_muon(nproc: int) -> None:
     """Bitwise: parameters, momentum and second moments after 4 steps, on 2 and 3 ranks (uneven
     shards, fewer matrices than ranks). Breaks if a 2-D matrix is orthogonalized per shard, if the
     variance-reduction state is updated from partial rows, or if rows return to the wrong rank."""
-    launch = torchrun(["tests/dist/muon_parity.py"], nproc=nproc, timeout=240).check()
+    launch = torchrun(["tests/distributed/muon_parity.py"], nproc=nproc, timeout=240).check()
     assert launch.output.count("PASS") == nproc
 
 
 @pytest.mark.slow
 def test_tier1_compiled_sharded_step_equals_eager_and_never_recompiles_as_lr_moves() -> None:
-    launch = torchrun(["tests/dist/muon_parity.py", "--compile-backend", "aot_eager"], timeout=400).check()
+    launch = torchrun(["tests/distributed/muon_parity.py", "--compile-backend", "aot_eager"], timeout=400).check()
     assert launch.output.count("PASS") == 2 and launch.output.count("none after") == 2

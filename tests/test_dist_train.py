@@ -1,7 +1,7 @@
 """Multi-process training under torchrun (gloo, 2 CPU ranks): each launch runs under a wall-clock limit,
 so a hang fails its test instead of stalling CI.
 
-Faults are injected by tests/dist/launch.py (test-only hooks applied before the CLI starts).
+Faults are injected by tests/distributed/launch.py (test-only hooks applied before the CLI starts).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.torchrun import Launch, python, torchrun, two_nodes
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = "tests/dist/launch.py"
+LAUNCH = "tests/distributed/launch.py"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_two_hosts_of_one_rank_each_with_their_own_data_caches(tmp_path, corpus)
     hosts that share no disk but the run directory): they prepare their data separately, agree on it
     through the tokenizer hash and data key, and train."""
     train_args = args(tmp_path, corpus, **{"train.steps": "3", "data.cache_dir": "@node"})
-    node_args = ["tests/dist/launch_node.py", *train_args]
+    node_args = ["tests/distributed/launch_node.py", *train_args]
     results = two_nodes(node_args, timeout=240)
     for r in results:
         r.check()
@@ -143,7 +143,7 @@ def test_a_planted_graph_break_fails_on_every_rank(tmp_path, corpus):
 
 
 def test_batch_change_on_both_ranks_recompiles_nothing_and_a_one_rank_shape_change_stops_both():
-    result = torchrun(["tests/dist/shape_change.py"], timeout=300)
+    result = torchrun(["tests/distributed/shape_change.py"], timeout=300)
     assert "both ranks: batch 2 -> 3 without a recompile" in result.output, result.output[-3000:]
     assert result.returncode != 0 and result.seconds < 200
     assert "RecompileError" in result.output and "rank 1" in result.output
@@ -262,7 +262,7 @@ def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus
     assert first.returncode != 0 and [p.name for p in list_checkpoints(broken / "run")] == ["step_00000003"]
     for nproc, batch in ((2, "2"), (1, "4")):
         inspect = args(broken, corpus, **{"train.steps": "6", "train.batch_size": batch})
-        result = torchrun(["tests/dist/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
+        result = torchrun(["tests/distributed/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
         assert result.output.count("PASS") == nproc
     torchrun([LAUNCH, *args(broken, corpus, **{"train.steps": "6"}), "--resume"]).check()
     assert losses(broken / "run") == losses(straight / "run")

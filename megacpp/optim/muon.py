@@ -12,7 +12,7 @@ Weight decay uses the unscaled lr, as torch.optim.Muon does.
 Parameters of one group with equal shape form a bucket that is stacked and orthogonalized as one
 batch (one bmm chain instead of one per matrix). The update is three pure stages on lists of plain
 tensors: `momentum_update` (elementwise), `orthogonal_update` (whole matrices) and `apply_update`
-(elementwise). A sharded optimizer (megacpp.dist.muon) runs the elementwise stages on each rank's
+(elementwise). A sharded optimizer (megacpp.distributed.muon) runs the elementwise stages on each rank's
 rows and only moves the orthogonalization to where whole matrices are.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Muon(TensorHParamOptimizer):
     ``split_sizes`` (row sizes of a fused QKV matrix, orthogonalized slice by slice; None = whole).
 
     Parameters may be FSDP2 DTensors sharded on dim 0 when every shard holds whole matrices, i.e. for
-    stacked (E, A, B) parameters; row-sharded 2-D matrices need megacpp.dist.muon.ShardedMuon, which
+    stacked (E, A, B) parameters; row-sharded 2-D matrices need megacpp.distributed.muon.ShardedMuon, which
     orthogonalizes each matrix whole.
     """
 
@@ -215,7 +215,7 @@ class Muon(TensorHParamOptimizer):
     def _check_layout(self, p: Tensor) -> None:
         """Muon orthogonalizes whole matrices: a shard must never split one."""
         if is_sharded(p) and p.ndim == 2 and any(pl.is_shard() for pl in p.placements):
-            raise ValueError(f"a row-sharded {tuple(p.shape)} matrix needs megacpp.dist.muon.ShardedMuon "
+            raise ValueError(f"a row-sharded {tuple(p.shape)} matrix needs megacpp.distributed.muon.ShardedMuon "
                              "(Muon would orthogonalize each rank's rows on their own: another optimizer)")
 
     def _new_second_moment(self, p: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ Layout of ``<out_dir>/checkpoints/step_00000100/``:
                          without it is incomplete.
 
 The directory is built under a ``.tmp`` name and renamed into place, so a crash mid-write never leaves
-something that looks like a checkpoint. Writing it is `megacpp.dist.checkpoint.save` (every rank takes
+something that looks like a checkpoint. Writing it is `megacpp.distributed.checkpoint.save` (every rank takes
 part); this module owns the format: names, hashes, verification, pruning.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True
                     ) -> tuple[dict, dict, dict]:
     """Load a checkpoint's weights and train state: (model_state, train_state, meta). The optimizer
-    moments are loaded in place by `megacpp.dist.checkpoint.load`."""
+    moments are loaded in place by `megacpp.distributed.checkpoint.load`."""
     path = Path(path)
     meta = verify_checkpoint(path) if verify else read_meta(path)
     try:

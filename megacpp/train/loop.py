@@ -1,7 +1,7 @@
 """The training loop: data, model, optimizers, compile, checkpoints, evaluation, plot and sample.
 
 One loop for one process and for every rank of a torchrun job. The `DistContext` makes collectives
-no-ops on one process; under torchrun the model is sharded with FSDP2 (megacpp.dist.parallelize),
+no-ops on one process; under torchrun the model is sharded with FSDP2 (megacpp.distributed.parallelize),
 every per-rank statistic is reduced, ranks are checked for parity at start, after warmup and
 periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plots and samples.
 """
@@ -23,13 +23,13 @@ from tqdm import tqdm
 from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
-from megacpp.dist import checkpoint as dist_checkpoint
-from megacpp.dist.context import DistContext, init_distributed
-from megacpp.dist.health import check_compile_health
-from megacpp.dist.logs import RankLog
-from megacpp.dist.muon import ShardedMuon
-from megacpp.dist.parallelize import parallelize
-from megacpp.dist.parity import (
+from megacpp.distributed import checkpoint as dist_checkpoint
+from megacpp.distributed.context import DistContext, init_distributed
+from megacpp.distributed.health import check_compile_health
+from megacpp.distributed.logs import RankLog
+from megacpp.distributed.muon import ShardedMuon
+from megacpp.distributed.parallelize import parallelize
+from megacpp.distributed.parity import (
     check_parity,
     dynamo_policy,
     library_versions,
@@ -39,8 +39,8 @@ from megacpp.dist.parity import (
     shared_config,
     tensor_digest,
 )
-from megacpp.dist.stats import StatisticsReducer
-from megacpp.dist.watchdog import StepWatchdog
+from megacpp.distributed.stats import StatisticsReducer
+from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.doctor import kernel_report
 from megacpp.errors import MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step

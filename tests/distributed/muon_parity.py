@@ -10,7 +10,7 @@ On a GPU (``--device cuda``, NCCL) cuBLAS may pick other kernels for the owner's
 the comparison reports the largest difference relative to the parameters' scale and checks it against
 ``--tolerance`` instead of requiring equality.
 
-Usage: torchrun --nproc-per-node=N tests/dist/muon_parity.py [--compile-backend aot_eager]
+Usage: torchrun --nproc-per-node=N tests/distributed/muon_parity.py [--compile-backend aot_eager]
        [--device cuda --tolerance 1e-6]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from megacpp.dist.muon import ShardedMuon
+from megacpp.distributed.muon import ShardedMuon
 from megacpp.optim import Muon
 
 SHAPES = {  # name -> (shape, group settings)

@@ -17,8 +17,8 @@ from torch import nn
 
 from megacpp.compile import CompiledModel, compile_model
 from megacpp.compile.config import CompileConfig
-from megacpp.dist.config import DistConfig
-from megacpp.dist.context import DistContext
+from megacpp.distributed.config import DistConfig
+from megacpp.distributed.context import DistContext
 
 # Entry points besides forward. Only methods called from outside the module: a registered method
 # called from inside another registered one would run FSDP's hooks twice.

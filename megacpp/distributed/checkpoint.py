@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megacpp.dist.context import DistContext
+from megacpp.distributed.context import DistContext
 from megacpp.train.checkpoint import (
     MOMENTS_DIR,
     CheckpointError,

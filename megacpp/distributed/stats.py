@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
-from megacpp.dist.context import DistContext
+from megacpp.distributed.context import DistContext
 from megacpp.model.hints import reduced_buffers
 
 

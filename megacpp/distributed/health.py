@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from megacpp.compile import CompileHealth, CompileHealthError
-from megacpp.dist.context import DistContext
-from megacpp.dist.parity import check_parity
+from megacpp.distributed.context import DistContext
+from megacpp.distributed.parity import check_parity
 
 
 def health_summary(health: CompileHealth) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from megacpp.compile.versions import torch_version
-from megacpp.dist.context import DistContext, DistError
+from megacpp.distributed.context import DistContext, DistError
 from megacpp.optim.local import is_sharded
 
 # Environment variables that change what torch compiles or how it computes; per-rank variables

@@ -9,9 +9,9 @@ import torch
 
 from megacpp.compile import CompileConfig, forbid_recompiles, prepare_compile
 from megacpp.config import Config
-from megacpp.dist.config import DistConfig
-from megacpp.dist.context import init_distributed
-from megacpp.dist.parallelize import parallelize
+from megacpp.distributed.config import DistConfig
+from megacpp.distributed.context import init_distributed
+from megacpp.distributed.parallelize import parallelize
 from megacpp.model.hybrid import HybridLM
 from megacpp.presets import tiny
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megacpp.compile.versions import supports
 from megacpp.config import ConfigError
-from megacpp.dist.config import DistConfig
+from megacpp.distributed.config import DistConfig
 from megacpp.train.runtime import resolve_device
 
 # NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
