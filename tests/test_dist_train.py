@@ -49,6 +49,14 @@ def errors(launch: Launch) -> list[str]:
     return re.findall(r"^(?:\[default\d+\]:)?megacpp: (?:config )?error: (.*)$", launch.output, flags=re.M)
 
 
+def same_error_on_both_ranks(launch: Launch) -> str:
+    """The job failed, and each of the two ranks printed one and the same error line: returns it."""
+    assert launch.returncode != 0
+    found = errors(launch)
+    assert len(found) == 2 and found[0] == found[1], launch.output[-3000:]
+    return found[0]
+
+
 # ---------------------------------------------------------------- 1. smoke, several hosts
 
 
@@ -94,10 +102,8 @@ def test_tier3_bf16_all_gather_opt_in_computes_with_bf16_weights(tmp_path, corpu
 
 def test_a_setting_that_differs_on_one_rank_stops_both_ranks_naming_it(tmp_path, corpus):
     result = launch(tmp_path, corpus, "config@1", timeout=120)
-    assert result.returncode != 0
-    found = errors(result)
-    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
-    assert "config.optim.muon_lr differs (rank 0: 0.02, rank 1: 0.021)" in found[0]
+    error = same_error_on_both_ranks(result)
+    assert "config.optim.muon_lr differs (rank 0: 0.02, rank 1: 0.021)" in error
     assert result.seconds < 60
     assert not list_checkpoints(tmp_path / "run")
 
@@ -172,11 +178,9 @@ def test_a_rank_killed_with_sigkill_ends_the_job_within_seconds(tmp_path, corpus
 
 def test_a_nonfinite_loss_on_one_rank_stops_every_rank_with_the_same_error(tmp_path, corpus):
     result = launch(tmp_path, corpus, "nan@1:4", **{"train.ckpt_every": "2", "train.steps": "6"})
-    assert result.returncode != 0
-    found = errors(result)
-    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
-    assert "step 4: loss is nan on rank(s) 1" in found[0]
-    assert "rank 1: first non-finite output at sublayer 2 (M: Mamba3)" in found[0]
+    error = same_error_on_both_ranks(result)
+    assert "step 4: loss is nan on rank(s) 1" in error
+    assert "rank 1: first non-finite output at sublayer 2 (M: Mamba3)" in error
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002"]
     verify_checkpoint(list_checkpoints(tmp_path / "run")[0])
 
@@ -184,13 +188,13 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_with_the_same_error(tmp_p
 def test_an_unwritable_checkpoint_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path, corpus):
     first = launch(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "2"}).check()
     assert "done: 2 steps" in first.output
-    result = launch(tmp_path, corpus, "ckpt_write@1", **{"train.ckpt_every": "2", "train.steps": "4"})
-    assert result.returncode != 0
-    found = errors(result)
-    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
-    assert "checkpoint at step 2 was not saved (writing optimizer moments" in found[0]
-    assert "Permission denied" in found[0]
+    result = torchrun([LAUNCH, "--fault", "ckpt_write@1",
+                       *args(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "4"}), "--resume"])
+    error = same_error_on_both_ranks(result)
+    assert "checkpoint at step 4 was not saved (writing optimizer moments" in error
+    assert "Permission denied" in error
     (kept,) = list_checkpoints(tmp_path / "run")
+    assert kept.name == "step_00000002"
     verify_checkpoint(kept)
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
 
@@ -202,17 +206,13 @@ def test_a_resumed_rank_whose_loader_disagrees_is_stopped_naming_it(tmp_path, co
     launch(tmp_path, corpus, **{"train.steps": "3"}).check()
     result = torchrun([LAUNCH, "--fault", "loader@1", *args(tmp_path, corpus, **{"train.steps": "6"}),
                        "--resume"], timeout=120)
-    assert result.returncode != 0
-    found = errors(result)
-    assert len(found) == 2 and "rank parity (after resume): loader.step differs" in found[0], result.output[-3000:]
+    assert "rank parity (after resume): loader.step differs" in same_error_on_both_ranks(result)
 
 
 def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_check(tmp_path, corpus):
     result = launch(tmp_path, corpus, "drift@1:2", **{"train.steps": "5"})
-    assert result.returncode != 0
-    found = errors(result)
-    assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
-    assert re.search(r"rank parity \(step 2\): replicated\.blocks\.\d+\.mixer\.expert_bias differs", found[0])
+    error = same_error_on_both_ranks(result)
+    assert re.search(r"rank parity \(step 2\): replicated\.blocks\.\d+\.mixer\.expert_bias differs", error)
 
 
 # ---------------------------------------------------------------- equivalence with one process

@@ -31,7 +31,6 @@ from megacpp.optim.muon import (
     Muon,
     apply_update,
     momentum_update,
-    muon_step,
     orthogonal_update,
     second_moment_shape,
 )
@@ -110,20 +109,13 @@ class ShardedMuon(Muon):
         p = bucket.params[0]
         return is_sharded(p) and p.ndim == 2 and p.device_mesh.size() > 1 and p.placements[0].is_shard(0)
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        buckets = self.buckets()
-        whole = [b for b in buckets if not self._row_sharded(b)]
-        if whole:
-            self._run(muon_step, [self.bucket_work(b) for b in whole], tuple(b.plan for b in whole))
+    def step_buckets(self, buckets: list[Bucket]) -> None:
+        """Stacked parameters (whole matrices on each rank) as on one device; row-sharded ones through
+        their owners."""
+        super().step_buckets([b for b in buckets if not self._row_sharded(b)])
         for bucket in buckets:
             if self._row_sharded(bucket):
                 self._step_row_sharded(bucket)
-        return loss
 
     def _step_row_sharded(self, bucket: Bucket) -> None:
         params, grads, buffers, second_moments, lr, weight_decay, momentum, beta2 = self.bucket_work(bucket)

@@ -270,10 +270,13 @@ class Muon(TensorHParamOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        buckets = self.buckets()
+        self.step_buckets(self.buckets())
+        return loss
+
+    def step_buckets(self, buckets: list[Bucket]) -> None:
+        """Step whole matrices: all buckets in one (optionally compiled) call."""
         if buckets:
             self._run(muon_step, [self.bucket_work(b) for b in buckets], tuple(b.plan for b in buckets))
-        return loss
 
 
 def torch_muon_compatible(
