@@ -105,8 +105,21 @@ def cmd_data_prepare(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp import environment
     from megacpp.doctor import doctor_report
 
+    if args.freeze is not None:
+        record = environment.write_freeze(args.freeze)
+        print(f"wrote {args.freeze}: {len(record['packages'])} packages, torch {record['torch']}, "
+              f"megacpp {record['megacpp']}")
+        return 0
+    if args.check is not None:
+        differences = environment.compare(environment.read_freeze(args.check), environment.freeze())
+        for line in differences:
+            print(line)
+        print(f"{len(differences)} difference(s) from {args.check}" if differences
+              else f"same environment as {args.check}")
+        return 1 if differences else 0
     print(doctor_report(cfg))
     return 0
 
@@ -194,7 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_data_prepare)
 
-    add("doctor", cmd_doctor, "versions, devices, caches, kernels and the determinism promise table")
+    p = add("doctor", cmd_doctor, "versions, devices, caches, kernels, an ABI audit of compiled extensions, the "
+            "distributed environment and the determinism promise table")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--freeze", type=Path, metavar="FILE",
+                       help="write the exact environment (versions, GPUs, driver, every package, megacpp's commit)")
+    group.add_argument("--check", type=Path, metavar="FILE",
+                       help="compare this environment with a --freeze record: every difference, exit 1 if any")
     add("params", cmd_params, "parameter table per block kind (total and active)")
     add("config", cmd_config, "print the resolved configuration as TOML")
 

@@ -119,6 +119,7 @@ def distributed_report(cfg: Config) -> list[str]:
 def doctor_report(cfg: Config) -> str:
     from megacpp.compile.cache import describe_cache_dirs
     from megacpp.data.config import default_cache_dir
+    from megacpp.environment import audit
 
     lines = [
         "versions",
@@ -132,6 +133,10 @@ def doctor_report(cfg: Config) -> str:
         *(f"  {line}" for line in describe_cache_dirs(cfg.compile)),
         "kernels",
         *(f"  {k}" for k in kernel_report()),
+        "environment audit (compiled extensions vs the running torch)",
+        *(f"  {v.line()}" for v in audit()),
+        f"  Inductor autotuning: max_autotune={cfg.compile.max_autotune} (GEMM autotuning off unless asked), "
+        f"in a subprocess={cfg.compile.autotune_subprocess}",
         "distributed",
         *(f"  {line}" for line in distributed_report(cfg)),
         "determinism promises (test that backs each)",
