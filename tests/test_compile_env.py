@@ -54,13 +54,15 @@ def test_an_explicit_environ_mapping_is_used_instead_of_os_environ():
     assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
 
 
-def test_autotune_off_unless_asked(monkeypatch):
+def test_autotune_off_unless_asked_and_in_a_subprocess_when_on(monkeypatch):
     report = apply_env(CompileConfig())
     assert not torch._inductor.config.max_autotune and not torch._inductor.config.max_autotune_gemm
-    assert not torch._inductor.config.autotune_in_subproc
-    assert report.inductor == {"max_autotune": False, "max_autotune_gemm": False, "autotune_in_subproc": False}
-    apply_env(CompileConfig(max_autotune=True, autotune_subprocess=True))
+    assert torch._inductor.config.autotune_in_subproc
+    assert report.inductor == {"max_autotune": False, "max_autotune_gemm": False, "autotune_in_subproc": True}
+    apply_env(CompileConfig(max_autotune=True))
     assert torch._inductor.config.max_autotune and torch._inductor.config.autotune_in_subproc
+    apply_env(CompileConfig(autotune_subprocess=False))
+    assert not torch._inductor.config.autotune_in_subproc
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "1")  # the user's own switch counts as asking
     assert apply_env(CompileConfig()).inductor["max_autotune_gemm"] is True
 

@@ -21,5 +21,7 @@ class CompileConfig:
     forbid_recompiles: bool = False  # after warmup any recompile raises at once, naming its guard
     fail_on_recompile_limit_hit: bool = True  # raise at the cap instead of running that frame eagerly forever
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
-    autotune_subprocess: bool = False  # benchmark autotune choices in a subprocess
+    # Benchmark autotune choices in a subprocess, so a crashing candidate cannot kill training (only
+    # matters once autotuning is on).
+    autotune_subprocess: bool = True
     cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
