@@ -10,6 +10,7 @@ Nothing here assumes one host: ranks are global, devices come from LOCAL_RANK.
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,7 +44,7 @@ class DistContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: Any = None  # DeviceMesh of the data-parallel dimension; None on one process
     backend: str = ""
-    host: str = field(default_factory=lambda: os.uname().nodename)
+    host: str = field(default_factory=platform.node)
 
     @property
     def distributed(self) -> bool:
