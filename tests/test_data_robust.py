@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from megacpp.cli import main
 from megacpp.data import CorpusError, DataConfig, discover_corpus
+from tests.helpers import tiny_train_args
 
 
 def code(i: int) -> str:
@@ -111,3 +113,17 @@ def test_unreadable_directory_and_file_are_counted(tmp_path, monkeypatch):
     assert sorted(Path(d.source).name for d in corpus.docs) == ["f00.cpp", "f02.cpp"]
     assert corpus.skipped["unreadable_dir"] == 1 and corpus.skipped["unreadable"] == 1
     assert "1 unreadable, 1 unreadable_dir" in corpus.summary()
+
+
+# ---------------------------------------------------------------- a split too small to train on
+
+
+def test_train_split_too_small_is_one_line_before_training(tmp_path, small_corpus, capsys):
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.batch_size": "4096"})
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert "train split has" in err and "tokens" in err and "4096 x data.seq_len 32 + 1 = 131,073 tokens" in err
+    for setting in ("data.seq_len", "train.batch_size", "data.val_fraction", "corpus"):
+        assert setting in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
