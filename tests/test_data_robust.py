@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megacpp.cli import main
-from megacpp.data import CorpusError, DataConfig, discover_corpus
+from megacpp.data import CorpusError, DataConfig, ShardError, discover_corpus, load_shards, prepare_data
 from tests.helpers import tiny_train_args
 
 
@@ -127,3 +127,60 @@ def test_train_split_too_small_is_one_line_before_training(tmp_path, small_corpu
     for setting in ("data.seq_len", "train.batch_size", "data.val_fraction", "corpus"):
         assert setting in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------- damaged caches
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def prepared_cfg(tmp_path) -> DataConfig:
+    root = write_files(tmp_path / "src", 40)
+    return DataConfig(corpus=[str(root)], min_bytes=1, val_fraction=0.1, vocab_size=300,
+                      cache_dir=str(tmp_path / "cache"))
+
+
+def test_flipped_byte_in_a_cached_shard_is_detected_and_rebuilt(prepared_cfg):
+    first = prepare_data(prepared_cfg, progress=False, log=None)
+    path = first.shards.dir / "train.bin"
+    good = path.read_bytes()
+    # The last token of the last document: sizes and BOS positions stay valid, only the hash notices.
+    flip_byte(path, len(good) - 1)
+    with pytest.raises(ShardError, match="sha256 differs"):
+        load_shards(first.shards.dir, first.corpus.hash, first.tokenizer.hash)
+    notices: list[str] = []
+    again = prepare_data(prepared_cfg, progress=False, log=notices.append)
+    assert not again.shards.from_cache
+    assert [n for n in notices if n.startswith("rebuilding shards:")] == [
+        f"rebuilding shards: {path}: content changed since it was written (sha256 differs from the manifest)"]
+    assert path.read_bytes() == good
+    assert prepare_data(prepared_cfg, progress=False, log=None).shards.from_cache
+
+
+def test_flipped_byte_in_a_cached_tokenizer_is_detected_and_retrained(prepared_cfg):
+    first = prepare_data(prepared_cfg, progress=False, log=None)
+    path = Path(first.tokenizer.path)
+    good = path.read_bytes()
+    flip_byte(path, good.index(b'"vocab"') + 20)  # inside the vocabulary: still parses as JSON
+    notices: list[str] = []
+    again = prepare_data(prepared_cfg, progress=False, log=notices.append)
+    assert any(n.startswith(f"tokenizer cache {path}: hash ") and "retraining" in n for n in notices)
+    assert path.read_bytes() == good and again.tokenizer.hash == first.tokenizer.hash
+    assert again.shards.from_cache  # the same tokenizer again: its shards are still valid
+
+
+def test_given_tokenizer_that_is_not_one_is_a_one_line_error(tmp_path, small_corpus, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    args = ["data", "prepare", "--preset", "tiny", f"--data.corpus=[\"{small_corpus}\"]",
+            "--data.cache_dir", str(tmp_path / "cache"), "--data.tokenizer_path", str(bad)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert f"{bad}: not a valid tokenizer.json" in err
+    assert bad.read_text() == '{"not": "a tokenizer"}'
