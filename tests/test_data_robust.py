@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import tracemalloc
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megacpp.cli import main
+from megacpp.compile.cache import CacheError, export_cache, import_cache
 from megacpp.data import CorpusError, DataConfig, ShardError, discover_corpus, load_shards, prepare_data
 from tests.helpers import tiny_train_args
 
@@ -184,3 +186,106 @@ def test_given_tokenizer_that_is_not_one_is_a_one_line_error(tmp_path, small_cor
     assert "Traceback" not in err and err.count("\n") == 1
     assert f"{bad}: not a valid tokenizer.json" in err
     assert bad.read_text() == '{"not": "a tokenizer"}'
+
+
+# ---------------------------------------------------------------- compile cache import
+
+
+@pytest.fixture
+def inductor_env(monkeypatch):
+    """`cache_cli` sets Inductor's environment and config: restore both after the test."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                "MEGACPP_CACHE_DIR"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield monkeypatch
+
+
+def fake_cache(root: Path) -> Path:
+    for rel, text in {"fxgraph/ab/entry": "graph", "aotautograd/cd/entry": "aot", "q6/kernel.cpp": "cpp"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file's bytes, except the (empty) lock file that import takes."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}
+
+
+@pytest.fixture
+def export_and_local(tmp_path) -> tuple[Path, Path]:
+    export_cache(tmp_path / "shared", fake_cache(tmp_path / "host-a"))
+    local = tmp_path / "host-b"
+    (local / "fxgraph" / "zz").mkdir(parents=True)
+    (local / "fxgraph" / "zz" / "mine").write_text("a local entry that must survive")
+    return tmp_path / "shared", local
+
+
+def test_corrupt_export_is_refused_by_the_cli_and_the_cache_is_unchanged(export_and_local, inductor_env, capsys):
+    shared, local = export_and_local
+    flip_byte(shared / "inductor" / "q6" / "kernel.cpp", 1)
+    inductor_env.setenv("TORCHINDUCTOR_CACHE_DIR", str(local))
+    before = snapshot(local)
+    assert main(["cache", "import", str(shared)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert "corrupt cache export: inductor/q6/kernel.cpp does not match its sha256" in err
+    assert "nothing imported" in err
+    assert snapshot(local) == before and not list(local.glob(".import.tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["manifest_not_json", "file_missing", "file_added", "digest_edited"])
+def test_damaged_exports_are_refused_before_copying(export_and_local, damage):
+    shared, local = export_and_local
+    manifest = shared / "MANIFEST.json"
+    if damage == "manifest_not_json":
+        manifest.write_text(manifest.read_text()[:20])
+    elif damage == "file_missing":
+        (shared / "inductor" / "fxgraph" / "ab" / "entry").unlink()
+    elif damage == "file_added":
+        (shared / "inductor" / "extra").write_text("planted")
+    else:
+        info = json.loads(manifest.read_text())
+        info["digest"] = "0" * 64
+        manifest.write_text(json.dumps(info))
+    before = snapshot(local)
+    with pytest.raises(CacheError, match="corrupt cache export"):
+        import_cache(shared, local)
+    assert snapshot(local) == before
+
+
+def test_a_failing_copy_leaves_the_cache_as_it_was(export_and_local, monkeypatch):
+    shared, local = export_and_local
+    real_copy, calls = shutil.copyfile, []
+
+    def copy_then_fail(src, dst, *a, **k):
+        calls.append(src)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(dst))
+        return real_copy(src, dst, *a, **k)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_then_fail)
+    before = snapshot(local)
+    with pytest.raises(OSError, match="No space left"):
+        import_cache(shared, local)
+    assert snapshot(local) == before and not list(local.glob(".import.tmp-*"))
+    monkeypatch.setattr(shutil, "copyfile", real_copy)
+    assert import_cache(shared, local).action == "imported"
+    assert (local / "fxgraph" / "ab" / "entry").read_text() == "graph"
+    assert (local / "fxgraph" / "zz" / "mine").is_file()
+
+
+def test_unwritable_destination_is_refused(export_and_local, tmp_path):
+    shared, _ = export_and_local
+    blocker = tmp_path / "a-file"
+    blocker.write_text("nothing can be created under a file, even as root")
+    with pytest.raises(CacheError, match="not writable"):
+        import_cache(shared, blocker / "cache")
+    assert blocker.read_text().startswith("nothing")
