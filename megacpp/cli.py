@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from megacpp.compile.config import BACKENDS, MODES
 from megacpp.config import Config, ConfigError, dump_toml, load_config
-from megacpp.errors import MegacppError
+from megacpp.errors import MegacppError, UsageError
 from megacpp.presets import PRESETS
 
 EPILOG_CONFIG = """\
@@ -69,9 +70,30 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _check_eval_args(args: argparse.Namespace) -> None:
+    if args.batches < 1:
+        raise UsageError(f"--batches {args.batches}: must be >= 1")
+
+
+def _check_sample_args(args: argparse.Namespace) -> None:
+    """Ranges and the prompt's text, before the checkpoint is loaded."""
+    if args.tokens < 1:
+        raise UsageError(f"--tokens {args.tokens}: must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 = all tokens)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach argv as lone surrogates
+        raise UsageError(f"--prompt is not valid UTF-8 text: character {exc.start} "
+                         f"({exc.object[exc.start]!r}) is an undecodable byte or a lone surrogate") from exc
+
+
 def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.infer.session import load_session
 
+    _check_eval_args(args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     bpb = session.evaluate(args.batches)
     print(f"validation bits per byte: {bpb:.4f}  ({session.checkpoint})")
@@ -81,6 +103,7 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_sample(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.infer.session import load_session
 
+    _check_sample_args(args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     for piece in session.stream(args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
         sys.stdout.write(piece)
@@ -242,7 +265,7 @@ def _describe_os_error(exc: OSError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0 on success, 2 on a configuration or usage error, 1 on any other explained error.
+    """Exit 0 on success, 2 on a configuration or argument error, 1 on any other explained error.
 
     Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
     one line. Anything else is a megacpp bug and keeps its traceback.
@@ -254,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args, cfg)
     except ConfigError as exc:
         return _fail(f"config error: {exc}", 2)
+    except UsageError as exc:
+        return _fail(f"error: {exc}", 2)
     except MegacppError as exc:
         return _fail(f"error: {exc}", 1)
     except OSError as exc:

@@ -9,3 +9,7 @@ from __future__ import annotations
 
 class MegacppError(Exception):
     """A problem with the user's input or environment, explained by its message."""
+
+
+class UsageError(MegacppError):
+    """A command-line argument outside its range or form; the CLI exits with status 2, like argparse."""

@@ -125,9 +125,9 @@ def test_wrong_content_of_right_size_is_detected(setup):
     corpus, tok, out = setup
     build_shards(corpus, tok, out, progress=False)
     path = out / "train.bin"
-    # Same size, so only the content check can notice: no document starts with BOS any more.
+    # Same size, so only the content checks can notice: the recorded sha256 comes first.
     np.full(path.stat().st_size // 2, tok.vocab_size - 1, dtype=np.uint16).tofile(path)
-    with pytest.raises(ShardError, match="do not start with BOS"):
+    with pytest.raises(ShardError, match="sha256 differs from the manifest"):
         load_shards(out, corpus.hash, tok.hash)
 
 

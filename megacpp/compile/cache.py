@@ -10,8 +10,10 @@ Triton kernels land under the same directory (Inductor's default ``<cache>/trito
 Export copies the cache directory (plus PyTorch's Mega-Cache artifact bytes where the version gate
 allows) into a target directory with a manifest holding a content digest of the copied files; export
 and import skip when digests match, refuse unwritable targets and hold file locks, so two processes
-syncing at once cannot interleave. Mega-Cache bytes are unpickled on import: import only caches you
-trust. They hold only what this process compiled; a fresh CLI process exports the directory alone.
+syncing at once cannot interleave. Import checks every file against the manifest's per-file sha256
+before copying anything, then copies into a staging directory and renames into place. Mega-Cache
+bytes are unpickled on import: import only caches you trust. They hold only what this process
+compiled; a fresh CLI process exports the directory alone.
 """
 from __future__ import annotations
 
@@ -156,7 +158,8 @@ def _files(root: Path) -> list[Path]:
         return []
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        # Our own staging directories (".tmp-" in the name) are never cache content.
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and ".tmp-" not in d)
         for name in sorted(filenames):
             ours = name in _SKIP_NAMES or name.startswith(".probe-") or ".tmp-" in name
             if not ours and not name.endswith(".lock"):
@@ -164,14 +167,27 @@ def _files(root: Path) -> list[Path]:
     return found
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every cache file under `root`, by relative POSIX path, in walk order."""
+    return {rel.as_posix(): _sha256(root / rel) for rel in _files(root)}
+
+
+def _digest(hashes: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for rel, file_digest in hashes.items():
+        digest.update(rel.encode() + b"\0")
+        digest.update(bytes.fromhex(file_digest))
+    return digest.hexdigest()
+
+
 def content_digest(root: Path) -> tuple[str, int]:
     """sha256 over (relative path, bytes) of every cache file under `root`, and the file count."""
-    digest = hashlib.sha256()
-    files = _files(root)
-    for rel in files:
-        digest.update(rel.as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256((root / rel).read_bytes()).digest())
-    return digest.hexdigest(), len(files)
+    hashes = file_hashes(root)
+    return _digest(hashes), len(hashes)
 
 
 def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:
@@ -181,6 +197,13 @@ def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.copyfile(src / rel, tmp)
         os.replace(tmp, target)  # readers never see a half-written file
+
+
+def _move_tree(src: Path, dst: Path, files: list[Path]) -> None:
+    """Rename staged files into place: on one filesystem, no copy that could fail half-way."""
+    for rel in files:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src / rel, dst / rel)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -214,7 +237,8 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
     dest, src = Path(dest), Path(cache_dir) if cache_dir else current_cache_dir()
     _require_writable(dest, f"export the compile cache into {dest}")
     with _locks([dest, src], lock_timeout):
-        digest, count = content_digest(src)
+        hashes = file_hashes(src)
+        digest, count = _digest(hashes), len(hashes)
         manifest = dest / MANIFEST
         if manifest.is_file() and json.loads(manifest.read_text()).get("digest") == digest:
             return SyncResult("skipped", dest, digest, count, (dest / ARTIFACTS).is_file())
@@ -229,28 +253,80 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
             _write_atomic(dest / ARTIFACTS, artifacts[0])
         else:
             (dest / ARTIFACTS).unlink(missing_ok=True)
-        info = {"digest": digest, "files": count, "torch": str(torch_version()), "artifacts": bool(artifacts)}
+        info = {"digest": digest, "files": count, "torch": str(torch_version()), "artifacts": bool(artifacts),
+                "sha256": hashes}
+        if artifacts:
+            info["artifacts_sha256"] = hashlib.sha256(artifacts[0]).hexdigest()
         _write_atomic(manifest, json.dumps(info, indent=1).encode())
     return SyncResult("exported", dest, digest, count, bool(artifacts))
+
+
+def _read_export_manifest(src: Path) -> dict:
+    """The export's manifest, checked for the fields import relies on; CacheError naming it if not."""
+    path = src / MANIFEST
+    if not path.is_file():
+        raise CacheError(f"{src} is not a megacpp cache export (no {MANIFEST})")
+    try:
+        info = json.loads(path.read_text())
+        if not (isinstance(info["digest"], str) and isinstance(info["files"], int)
+                and isinstance(info.get("sha256", {}), dict)):  # absent in exports before per-file hashes
+            raise TypeError("digest, files or sha256 has the wrong type")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CacheError(f"{path}: corrupt cache export manifest ({type(exc).__name__}: {exc}); nothing imported"
+                         ) from exc
+    return info
+
+
+def _verify_export(src: Path, info: dict) -> list[Path]:
+    """Every exported file against the manifest, before anything is copied; the files to import.
+
+    Exports from before per-file hashes are checked by their overall digest alone.
+    """
+    def corrupt(what: str) -> CacheError:
+        return CacheError(f"{src}: corrupt cache export: {what}; nothing imported")
+
+    hashes = file_hashes(src / FILES_DIR)
+    recorded = info.get("sha256")
+    if recorded is not None:
+        missing = sorted(recorded.keys() - hashes.keys())
+        if missing:
+            raise corrupt(f"{FILES_DIR}/{missing[0]} is missing")
+        for rel, digest in hashes.items():
+            if recorded.get(rel) != digest:
+                raise corrupt(f"{FILES_DIR}/{rel} does not match its sha256 in {MANIFEST}")
+    if (_digest(hashes), len(hashes)) != (info["digest"], info["files"]):
+        raise corrupt(f"the files do not match the digest in {MANIFEST}")
+    artifacts = src / ARTIFACTS
+    if "artifacts_sha256" in info and (not artifacts.is_file() or _sha256(artifacts) != info["artifacts_sha256"]):
+        raise corrupt(f"{ARTIFACTS} does not match its sha256 in {MANIFEST}")
+    return [Path(rel) for rel in hashes]
 
 
 def import_cache(src: str | Path, cache_dir: str | Path | None = None, *, lock_timeout: float = 600.0) -> SyncResult:
     """Copy an export made by `export_cache` into the local Inductor cache; skip if already imported.
 
-    Loads the Mega-Cache bytes when present and supported. Raises `CacheError` if `src` is not an
-    export or the local cache directory is not writable, `CacheBusy` on a held lock.
+    The export is verified file by file before anything is copied; the files are copied into a staging
+    directory beside the cache and renamed into place only when all copies succeeded, so a corrupt
+    export or a full disk leaves the cache as it was. Loads the Mega-Cache bytes when present and
+    supported. Raises `CacheError` if `src` is not an intact export or the local cache directory is not
+    writable, `CacheBusy` on a held lock.
     """
     src, dest = Path(src), Path(cache_dir) if cache_dir else current_cache_dir()
-    if not (src / MANIFEST).is_file():
-        raise CacheError(f"{src} is not a megacpp cache export (no {MANIFEST})")
+    _read_export_manifest(src)
     _require_writable(dest, f"import the compile cache into {dest}")
     with _locks([src, dest], lock_timeout):
-        info = json.loads((src / MANIFEST).read_text())
+        info = _read_export_manifest(src)  # again under the lock: an export may have finished since
         marker = dest / IMPORTED
         if marker.is_file() and marker.read_text().strip() == info["digest"]:
             return SyncResult("skipped", dest, info["digest"], info["files"], False)
-        files = _files(src / FILES_DIR)
-        _copy_tree(src / FILES_DIR, dest, files)
+        files = _verify_export(src, info)
+        staging = dest / f".import.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _copy_tree(src / FILES_DIR, staging, files)
+            _move_tree(staging, dest, files)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         loaded = False
         if (src / ARTIFACTS).is_file() and supports("cache_artifacts"):
             loaded = torch.compiler.load_cache_artifacts((src / ARTIFACTS).read_bytes()) is not None

@@ -4,9 +4,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from megacpp.data.config import DataConfig
 from megacpp.errors import MegacppError
@@ -100,13 +103,18 @@ class _Filter:
         self.docs.append(Document(source, text, h, len(data), split))
 
 
-def _list_files(root: Path, suffixes: set[str]) -> list[tuple[str, Path]]:
-    """(label, path) of matching files under root, sorted by relative path."""
-    if root.is_file():
+def _list_files(root: Path, suffixes: set[str], skipped: Counter) -> list[tuple[str, Path]]:
+    """(label, path) of matching names under root, sorted by relative path; a directory that cannot
+    be listed is counted as `unreadable_dir` instead of ending discovery."""
+    if not root.is_dir():  # a file named directly (or a special file, rejected when it is read)
         return [(root.name, root)]
+
+    def count_unlistable(_exc: OSError) -> None:
+        skipped["unreadable_dir"] += 1
+
     found = []
     # os.walk does not follow directory symlinks, so a link cycle cannot loop forever.
-    for dirpath, _, filenames in os.walk(root):
+    for dirpath, _, filenames in os.walk(root, onerror=count_unlistable):
         for name in filenames:
             if os.path.splitext(name)[1].lower() in suffixes:
                 path = Path(dirpath, name)
@@ -115,8 +123,46 @@ def _list_files(root: Path, suffixes: set[str]) -> list[tuple[str, Path]]:
     return [(f"{root.name}/{rel}", path) for rel, path in found]
 
 
-def _read_jsonl(label: str, raw: bytes, cfg: DataConfig, flt: _Filter) -> None:
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+def _open_regular(path: Path) -> BinaryIO | None:
+    """The file opened for reading, or None for a FIFO, device or socket (counted as `special_file`).
+
+    Special files are recognised by stat and never opened: opening a FIFO waits for a writer forever.
+    O_NONBLOCK still covers one swapped in between the stat and the open.
+    """
+    if not stat.S_ISREG(path.stat().st_mode):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
+def _jsonl_record_limit(max_bytes: int) -> int:
+    """Longest JSONL line worth parsing: JSON escapes spell a byte as at most 6 characters (\\u00XX),
+    plus 64 KiB for the record's other fields. Longer lines are skipped unread, as `too_large`."""
+    return 6 * max_bytes + 65536
+
+
+def _bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """The lines of `f`, never holding more than `limit + 1` bytes of one; None stands for a longer
+    line, whose rest is read and dropped in bounded pieces."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(limit + 1)
+        yield None
+
+
+def _read_jsonl(label: str, f: BinaryIO, cfg: DataConfig, flt: _Filter) -> None:
+    """One document per line, streamed: memory is bounded by the longest accepted record."""
+    for lineno, line in enumerate(_bounded_lines(f, _jsonl_record_limit(cfg.max_bytes)), start=1):
+        if line is None:
+            flt.skipped["too_large"] += 1
+            continue
         if not line.strip():
             continue
         try:
@@ -132,6 +178,24 @@ def _read_jsonl(label: str, raw: bytes, cfg: DataConfig, flt: _Filter) -> None:
             flt.skipped["bad_jsonl_line"] += 1
             continue
         flt.add(f"{label}:{lineno}", data)
+
+
+def _read_file(label: str, path: Path, is_jsonl: bool, cfg: DataConfig, flt: _Filter) -> None:
+    """Add the documents of one file; unreadable and special files are counted, not raised."""
+    try:
+        f = _open_regular(path)
+        if f is None:
+            flt.skipped["special_file"] += 1
+            return
+        with f:
+            if is_jsonl:
+                _read_jsonl(label, f, cfg, flt)
+            # fstat first so a huge file is rejected unread (JSONL limits are per record); the read
+            # is bounded too, for a file that grows after the fstat.
+            elif flt.size_ok(os.fstat(f.fileno()).st_size):
+                flt.add(label, f.read(cfg.max_bytes + 1))
+    except OSError:
+        flt.skipped["unreadable"] += 1
 
 
 def _corpus_hash(docs: list[Document]) -> str:
@@ -163,21 +227,9 @@ def discover_corpus(cfg: DataConfig) -> Corpus:
     flt = _Filter(cfg)
     files_seen = 0
     for root in roots:
-        for label, path in _list_files(root, source_ext | text_ext | jsonl_ext):
+        for label, path in _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped):
             files_seen += 1
-            is_jsonl = path.suffix.lower() in jsonl_ext
-            try:
-                # Stat first so a huge file is rejected without being read (JSONL limits are per record).
-                if not is_jsonl and not flt.size_ok(path.stat().st_size):
-                    continue
-                data = path.read_bytes()
-            except OSError:
-                flt.skipped["unreadable"] += 1
-                continue
-            if is_jsonl:
-                _read_jsonl(label, data, cfg, flt)
-            else:
-                flt.add(label, data)
+            _read_file(label, path, path.suffix.lower() in jsonl_ext, cfg, flt)
     docs = _ensure_val(flt.docs, cfg.val_fraction)
     corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs))
     if files_seen == 0:

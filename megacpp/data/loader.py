@@ -25,8 +25,13 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from megacpp.data.shards import ShardSet, ShardSplit
+from megacpp.errors import MegacppError
 
 STATE_VERSION = 2  # 2: records the global batch (rows per step over all ranks) instead of the world size
+
+
+class SplitTooSmallError(MegacppError, ValueError):
+    """A split that cannot fill one global batch: training would have nothing to read."""
 
 
 class Batch(NamedTuple):
@@ -111,11 +116,14 @@ class _Packer:
             out.append(t.to(self.device, non_blocking=self.pin_memory))
         return out
 
-    def _too_small(self) -> ValueError:
-        return ValueError(
-            f"{self.split.name} split has {self.split.num_tokens} tokens: one batch needs "
-            f"world_size*batch_size*seq_len+1 = "
-            f"{self.world_size * self.batch_size * self.seq_len + 1}"
+    def _too_small(self) -> SplitTooSmallError:
+        need = self.global_batch * self.seq_len + 1
+        world = f"world_size {self.world_size} x " if self.world_size > 1 else ""
+        return SplitTooSmallError(
+            f"{self.split.name} split has {self.split.num_tokens:,} tokens ({self.split.num_docs} docs), "
+            f"too few for one training batch: {world}train.batch_size {self.batch_size} x data.seq_len "
+            f"{self.seq_len} + 1 = {need:,} tokens; lower data.seq_len or train.batch_size, lower "
+            f"data.val_fraction, or add corpus files"
         )
 
 

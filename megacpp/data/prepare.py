@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from filelock import FileLock
 from megacpp.data.config import DataConfig
 from megacpp.data.corpus import Corpus, discover_corpus
 from megacpp.data.shards import ShardSet, build_shards, shard_dir_name
-from megacpp.data.tokenizer import SPLIT_PATTERN, CodeTokenizer, train_tokenizer
+from megacpp.data.tokenizer import SPLIT_PATTERN, CodeTokenizer, file_hash, train_tokenizer
 
 
 @dataclass
@@ -29,19 +30,52 @@ def tokenizer_cache_path(cfg: DataConfig, corpus: Corpus) -> Path:
     return cfg.resolved_cache_dir() / "tokenizers" / key / "tokenizer.json"
 
 
+def recorded_hash_path(path: Path) -> Path:
+    """Where the cache keeps the hash a cached tokenizer.json had when it was trained."""
+    return path.with_name(path.name + ".blake2b")
+
+
+def _load_cached_tokenizer(path: Path, log: Callable[[str], None] | None) -> CodeTokenizer | None:
+    """The cached tokenizer if its bytes still hash to what was recorded at training, else None (with a
+    notice): a damaged cache entry is retrained, never used."""
+    if not path.is_file():
+        return None
+    recorded = recorded_hash_path(path)
+    want = recorded.read_text().strip() if recorded.is_file() else None
+    have = file_hash(path)
+    if have == want:
+        return CodeTokenizer.from_file(path)
+    if log:
+        why = f"hash {have[:12]} != recorded {want[:12]}" if want else "no recorded hash"
+        log(f"tokenizer cache {path}: {why} (damaged or from an older megacpp); retraining")
+    return None
+
+
+def _record_hash(path: Path, digest: str) -> None:
+    recorded = recorded_hash_path(path)
+    tmp = recorded.with_name(f"{recorded.name}.tmp-{os.getpid()}")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, recorded)
+
+
 def load_or_train_tokenizer(
     cfg: DataConfig, corpus: Corpus, log: Callable[[str], None] | None = print
 ) -> CodeTokenizer:
-    """`cfg.tokenizer_path` if set, else the cached tokenizer for this corpus/recipe, trained once."""
+    """`cfg.tokenizer_path` if set, else the cached tokenizer for this corpus/recipe, trained once.
+
+    Training records the file's hash beside it; a cached file is used only while it still matches.
+    """
     if cfg.tokenizer_path:
         return CodeTokenizer.from_file(Path(cfg.tokenizer_path).expanduser())
     path = tokenizer_cache_path(cfg, corpus)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.parent / ".lock")):
-        if path.is_file():
-            return CodeTokenizer.from_file(path)
+        cached = _load_cached_tokenizer(path, log)
+        if cached is not None:
+            return cached
         t0 = time.perf_counter()
         tok = train_tokenizer(corpus, cfg.vocab_size, cfg.tokenizer_sample_bytes, path)
+        _record_hash(path, tok.hash)
     if log:
         log(f"tokenizer {tok.hash[:12]}: trained vocab {tok.vocab_size} in "
             f"{time.perf_counter() - t0:.1f}s -> {path}")
@@ -57,7 +91,7 @@ def prepare_data(
         log(corpus.summary())
     tok = load_or_train_tokenizer(cfg, corpus, log)
     out_dir = cfg.resolved_cache_dir() / "shards" / shard_dir_name(corpus.hash, tok.hash)
-    shards = build_shards(corpus, tok, out_dir, progress=progress)
+    shards = build_shards(corpus, tok, out_dir, progress=progress, log=log)
     if log:
         log(shards.summary())
     return PreparedData(corpus, tok, shards)

@@ -11,6 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from megacpp.data.config import MIN_VOCAB_SIZE
 from megacpp.data.corpus import Corpus, Document
+from megacpp.errors import MegacppError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
@@ -28,6 +29,10 @@ SPLIT_PATTERN = (
     r"|[^\S\n]+(?!\S)"
     r"|[^\S\n]+"
 )
+
+
+class TokenizerError(MegacppError, ValueError):
+    """A tokenizer.json that cannot be used: not a tokenizer, or without megacpp's special tokens."""
 
 
 def file_hash(path: Path) -> str:
@@ -53,12 +58,16 @@ class CodeTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
-        return cls(Tokenizer.from_file(str(path)), file_hash(path), path)
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for any parse failure
+            raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
+        return cls(tok, file_hash(path), path)
 
     def _special_id(self, token: str) -> int:
         idx = self._tok.token_to_id(token)
         if idx is None:
-            raise ValueError(f"tokenizer {self.path} lacks the special token {token}")
+            raise TokenizerError(f"tokenizer {self.path} lacks the special token {token}")
         return idx
 
     @property

@@ -1,7 +1,7 @@
 """Autoregressive generation with the model's decode caches (KV for A, states for M and R)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import Tensor
@@ -29,16 +29,19 @@ def generate_tokens(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
-    stop_id: int | None = None,
+    stop_id: int | Collection[int] | None = None,
     agree: Callable[[Tensor], Tensor] | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time; the same prompt, seed and settings give the same tokens.
+
+    Generation ends before any token in ``stop_id`` (one id or several), which is not yielded.
 
     ``agree`` makes every process of a sharded model take the same token (e.g. rank 0's, broadcast):
     a sharded forward is collective, so all processes must stop at the same step.
     """
     if not prompt:
         raise ValueError("generation needs a non-empty prompt (at least the BOS token)")
+    stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
     device = model.tok_embed.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = model.init_cache(batch_size=1, max_len=len(prompt) + max_new_tokens)
@@ -50,19 +53,20 @@ def generate_tokens(
         if agree is not None:
             nxt = agree(nxt)
         token = int(nxt.item())
-        if stop_id is not None and token == stop_id:
+        if token in stops:
             return
         yield token
         logits = model.forward_step(nxt.view(1, 1), cache)
 
 
 def stream_text(tokenizer, token_ids: Iterator[int]) -> Iterator[str]:
-    """Turn a token stream into text pieces; decoding the whole prefix keeps multi-byte characters whole."""
+    """Turn a token stream into text pieces; decoding the whole prefix keeps multi-byte characters whole.
+    Special tokens (BOS, EOS, PAD) stand for no text and are never printed."""
     ids: list[int] = []
     emitted = ""
     for token in token_ids:
         ids.append(token)
-        text = tokenizer.decode(ids)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for the next byte
             continue
         yield text[len(emitted):]

@@ -9,6 +9,7 @@ import torch
 
 from megacpp.config import Config, from_dict
 from megacpp.data import CodeTokenizer
+from megacpp.errors import UsageError
 from megacpp.infer.generate import generate_tokens, stream_text
 from megacpp.model.hybrid import HybridLM
 from megacpp.train.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
@@ -23,12 +24,32 @@ class Session:
     checkpoint: Path
     device: torch.device
 
+    def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """BOS + the prompt's tokens; UsageError if prompt and new tokens do not fit the KV cache
+        (attention's RoPE tables have max_seq_len rows; models without attention have no such limit)."""
+        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
+        if "A" not in self.config.model.pattern:
+            return ids
+        context = self.config.model.attention.max_seq_len
+        where = f"the model's context (model.attention.max_seq_len of {self.checkpoint})"
+        if len(ids) > context:
+            raise UsageError(f"--prompt is {len(ids)} tokens with BOS, longer than {where}: {context} tokens")
+        if len(ids) + max_new_tokens > context:
+            raise UsageError(f"--prompt ({len(ids)} tokens with BOS) + --tokens {max_new_tokens} exceed {where}: "
+                             f"{context} tokens; use --tokens {context - len(ids)} or fewer")
+        return ids
+
     def stream(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
                ) -> Iterator[str]:
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
+        """The prompt, then the generated text; ends early at the end of a document.
+
+        Training separates documents by BOS alone (the loader never emits EOS), so the model ends a
+        document by predicting BOS: either special token stops the sample.
+        """
+        ids = self.prompt_ids(prompt, max_new_tokens)
         yield prompt
         tokens = generate_tokens(self.model, ids, max_new_tokens, temperature, top_k, seed,
-                                 stop_id=self.tokenizer.eos_id)
+                                 stop_id={self.tokenizer.bos_id, self.tokenizer.eos_id})
         yield from stream_text(self.tokenizer, tokens)
 
     def evaluate(self, batches: int) -> float:
@@ -44,6 +65,10 @@ class Session:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the newest valid one under a run directory."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint or run directory (it is a file)")
     if CKPT_DIR_RE.match(path.name):
         return path
     found = latest_valid_checkpoint(path)

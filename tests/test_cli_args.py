@@ -1,0 +1,142 @@
+"""`megacpp sample` and `megacpp eval` arguments: each mistake is one line on stderr, a non-zero exit
+status, no traceback, and nothing on disk changes; the sample ends at the end of a document."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp.cli import main
+from megacpp.config import Config
+from megacpp.data import DataConfig, discover_corpus, train_tokenizer
+from megacpp.infer.session import Session
+from megacpp.train.loop import Trainer
+from tests.helpers import tiny_train_config, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A two-step tiny run whose attention context is 64 tokens, so a long prompt exceeds it."""
+    tmp = tmp_path_factory.mktemp("cli-args")
+    write_corpus(tmp / "corpus")
+    cfg = tiny_train_config(tmp, tmp / "corpus", **{"train.steps": "2", "train.ckpt_every": "2",
+                                                    "model.attention.max_seq_len": "64"})
+    Trainer(cfg, log=lambda _msg: None, progress=False).run()
+    return tmp / "run"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def fails(args: list[str], capsys, code: int) -> str:
+    """Run the CLI, assert the exit code and a one-line, traceback-free stderr; return that line."""
+    assert main(args) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["sample", "--tokens", "0"], "--tokens 0: must be >= 1"),
+    (["sample", "--tokens", "-5"], "--tokens -5: must be >= 1"),
+    (["sample", "--temperature", "-0.1"], "--temperature -0.1: must be a finite number >= 0"),
+    (["sample", "--temperature", "nan"], "--temperature nan: must be a finite number >= 0"),
+    (["sample", "--temperature", "inf"], "--temperature inf: must be a finite number >= 0"),
+    (["sample", "--top-k", "-1"], "--top-k -1: must be >= 0"),
+    (["sample", "--prompt", "int \udcff x"], "--prompt is not valid UTF-8 text: character 4"),
+    (["eval", "--batches", "0"], "--batches 0: must be >= 1"),
+])
+def test_out_of_range_arguments_fail_before_loading(run_dir, capsys, args, message):
+    before = snapshot(run_dir)
+    err = fails([*args, "--checkpoint", str(run_dir)], capsys, 2)
+    assert message in err
+    assert snapshot(run_dir) == before
+
+
+def test_invalid_prompt_bytes_from_a_real_command_line(tmp_path):
+    """Bytes that are not UTF-8 reach sys.argv as lone surrogates (surrogateescape)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "megacpp.cli", "sample", "--checkpoint", str(tmp_path),
+                           "--prompt", b"int \xff x"], capture_output=True, env=env, timeout=300)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert "--prompt is not valid UTF-8 text: character 4" in err
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_missing_or_wrong_checkpoint_path_is_named(tmp_path, capsys, command):
+    missing = tmp_path / "no-such-run"
+    assert f"{missing}: no such checkpoint or run directory" in fails(
+        [command, "--checkpoint", str(missing)], capsys, 1)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a checkpoint")
+    assert f"{a_file}: not a checkpoint or run directory" in fails([command, "--checkpoint", str(a_file)], capsys, 1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty}: no valid checkpoint" in fails([command, "--checkpoint", str(empty)], capsys, 1)
+    assert a_file.read_text() == "not a checkpoint" and not list(empty.iterdir())
+
+
+def test_prompt_longer_than_the_context_names_both_lengths(run_dir, capsys):
+    before = snapshot(run_dir)
+    err = fails(["sample", "--checkpoint", str(run_dir), "--prompt", "int x; " * 80, "--tokens", "1"], capsys, 2)
+    assert "--prompt is" in err and "tokens with BOS, longer than the model's context" in err
+    assert "max_seq_len" in err and "64 tokens" in err
+    err = fails(["sample", "--checkpoint", str(run_dir), "--prompt", "int ", "--tokens", "100"], capsys, 2)
+    assert "+ --tokens 100 exceed the model's context" in err and "64 tokens; use --tokens" in err
+    assert snapshot(run_dir) == before
+
+
+def test_valid_arguments_still_sample(run_dir, capsys):
+    assert main(["sample", "--checkpoint", str(run_dir), "--prompt", "int ", "--tokens", "5",
+                 "--temperature", "0", "--top-k", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("int ") and "<|" not in out
+
+
+# ---------------------------------------------------------------- end of document
+
+
+class ScriptedModel(torch.nn.Module):
+    """Greedy decoding follows `next_of`: after input token t the most likely next token is next_of[t]."""
+
+    def __init__(self, vocab_size: int, next_of: dict[int, int]) -> None:
+        super().__init__()
+        self.tok_embed = torch.nn.Embedding(vocab_size, 1)
+        self.vocab_size, self.next_of = vocab_size, next_of
+
+    def init_cache(self, batch_size: int, max_len: int) -> None:
+        return None
+
+    def forward_step(self, x: torch.Tensor, cache: None) -> torch.Tensor:
+        logits = torch.zeros(1, 1, self.vocab_size)
+        logits[0, 0, self.next_of.get(int(x), 0)] = 1.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tok")
+    write_corpus(tmp / "corpus")
+    corpus = discover_corpus(DataConfig(corpus=[str(tmp / "corpus")], val_fraction=0.1))
+    return train_tokenizer(corpus, 300, 1_000_000, tmp / "tokenizer.json")
+
+
+@pytest.mark.parametrize("end", ["bos", "eos"])
+def test_sample_stops_at_the_end_of_a_document_and_prints_no_special_token(tokenizer, end):
+    tok = tokenizer
+    (last,) = tok.encode("int")[-1:]
+    a, b, c = (tok.encode(ch)[0] for ch in "abc")
+    end_id = tok.bos_id if end == "bos" else tok.eos_id
+    # int -> a -> PAD -> b -> end of document -> c: the PAD is not printed and c is never reached.
+    model = ScriptedModel(tok.vocab_size, {last: a, a: tok.pad_id, tok.pad_id: b, b: end_id, end_id: c})
+    session = Session(model, tok, Config(), Path("ckpt"), torch.device("cpu"))
+    assert "".join(session.stream("int", 20, 0.0, 0, 0)) == "intab"
