@@ -427,9 +427,9 @@ class Trainer:
         prompt = [tok.bos_id, *tok.encode(tc.sample_prompt)]
         self.model.eval()
         with torch.compiler.set_stance("force_eager"):
-            pieces = list(stream_text(tok, generate_tokens(self.model, prompt, tc.sample_tokens,
-                                                           tc.sample_temperature, tc.sample_top_k, tc.seed,
-                                                           stop_id=tok.eos_id, agree=self.ctx.broadcast_)))
+            tokens = generate_tokens(self.model, prompt, tc.sample_tokens, tc.sample_temperature, tc.sample_top_k,
+                                     tc.seed, stop_id={tok.bos_id, tok.eos_id}, agree=self.ctx.broadcast_)
+            pieces = list(stream_text(tok, tokens))
         self.model.train()
         text = tc.sample_prompt + "".join(pieces)
         if self.ctx.is_main:
