@@ -9,3 +9,7 @@ from __future__ import annotations
 
 class MegacppError(Exception):
     """A problem with the user's input or environment, explained by its message."""
+
+
+class Interrupted(MegacppError):
+    """The user stopped a run with Ctrl-C (SIGINT) and it saved what it had: the CLI exits 130."""
