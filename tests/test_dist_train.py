@@ -172,11 +172,13 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_with_the_same_error(tmp_p
 def test_an_unwritable_checkpoint_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path, corpus):
     first = launch(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "2"}).check()
     assert "done: 2 steps" in first.output
-    result = launch(tmp_path, corpus, "ckpt_write@1", **{"train.ckpt_every": "2", "train.steps": "4"})
+    # --resume: a run directory holding a run is only ever continued (or moved aside), never reused
+    result = torchrun([LAUNCH, "--fault", "ckpt_write@1",
+                       *args(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "4"}), "--resume"])
     assert result.returncode != 0
     found = errors(result)
     assert len(found) == 2 and found[0] == found[1], result.output[-3000:]
-    assert "checkpoint at step 2 was not saved (writing optimizer moments" in found[0]
+    assert "checkpoint at step 4 was not saved (writing optimizer moments" in found[0]
     assert "Permission denied" in found[0]
     (kept,) = list_checkpoints(tmp_path / "run")
     verify_checkpoint(kept)
