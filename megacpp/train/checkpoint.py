@@ -1,4 +1,4 @@
-"""Checkpoints: one directory per step, written atomically, verified on load, the last K kept.
+"""Checkpoints: one directory per step, written atomically, verified on load, the last K usable kept.
 
 Layout of ``<out_dir>/checkpoints/step_00000100/``:
 - ``model.safetensors``  model weights, whole (safetensors: no pickle, cheap to inspect); on several
