@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from megacpp.compile.config import BACKENDS, MODES
 from megacpp.config import Config, ConfigError, dump_toml, load_config
-from megacpp.errors import MegacppError, UsageError
+from megacpp.errors import Interrupted, MegacppError, UsageError
 from megacpp.presets import PRESETS
 
 EPILOG_CONFIG = """\
@@ -64,7 +66,7 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.train.loop import train
 
     result = train(cfg, resume=args.resume, progress=not args.no_progress)
-    if result.rank == 0:
+    if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
         print(f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
               f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
     return 0
@@ -264,17 +266,31 @@ def _describe_os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc}: {names}"
 
 
+def _resume_hint(argv: Sequence[str]) -> str:
+    """The command that continues an interrupted run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: this rank cannot see the launch command
+        return "continue with: the same torchrun command plus --resume"
+    args = [*argv, "--resume"] if "--resume" not in argv else list(argv)
+    return f"continue with: megacpp {shlex.join(args)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0 on success, 2 on a configuration or argument error, 1 on any other explained error.
+    """Exit 0 on success, 2 on a configuration or argument error, 1 on any other explained error, 130 when
+    interrupted (Ctrl-C).
 
     Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
     one line. Anything else is a megacpp bug and keeps its traceback.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
+    except Interrupted as exc:
+        return _fail(f"{exc}; {_resume_hint(argv)}", 130)
+    except KeyboardInterrupt:  # outside the training steps: nothing of this run's was saved just now
+        return _fail("interrupted; checkpoints already written are intact", 130)
     except ConfigError as exc:
         return _fail(f"config error: {exc}", 2)
     except UsageError as exc:

@@ -13,3 +13,7 @@ class MegacppError(Exception):
 
 class UsageError(MegacppError):
     """A command-line argument outside its range or form; the CLI exits with status 2, like argparse."""
+
+
+class Interrupted(MegacppError):
+    """The user stopped a run with Ctrl-C (SIGINT) and it saved what it had: the CLI exits 130."""

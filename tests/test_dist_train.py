@@ -188,6 +188,7 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_with_the_same_error(tmp_p
 def test_an_unwritable_checkpoint_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path, corpus):
     first = launch(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "2"}).check()
     assert "done: 2 steps" in first.output
+    # --resume: a run directory holding a run is only ever continued (or moved aside), never reused
     result = torchrun([LAUNCH, "--fault", "ckpt_write@1",
                        *args(tmp_path, corpus, **{"train.ckpt_every": "2", "train.steps": "4"}), "--resume"])
     error = same_error_on_both_ranks(result)

@@ -1,4 +1,4 @@
-"""Checkpoints: one directory per step, written atomically, verified on load, the last K kept.
+"""Checkpoints: one directory per step, written atomically, verified on load, the last K usable kept.
 
 Layout of ``<out_dir>/checkpoints/step_00000100/``:
 - ``model.safetensors``  model weights, whole (safetensors: no pickle, cheap to inspect); on several
@@ -9,7 +9,8 @@ Layout of ``<out_dir>/checkpoints/step_00000100/``:
 - extra files            e.g. ``tokenizer.json``, so the directory alone can be sampled from
 - ``meta.json``          config, tokenizer hash, determinism mode, versions, world size and global
                          batch, and the size and sha256 of each file above. Written last: a directory
-                         without it is incomplete.
+                         without it is incomplete. Its own field ``meta_sha256`` covers the canonical
+                         JSON of the rest, so an edited or damaged meta.json is detected too.
 
 The directory is built under a ``.tmp`` name and renamed into place, so a crash mid-write never leaves
 something that looks like a checkpoint. Writing it is `megacpp.distributed.checkpoint.save` (every rank takes
@@ -32,7 +33,8 @@ from safetensors.torch import load_file, save_file
 from megacpp.errors import MegacppError
 
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 2  # 2: optimizer moments by name in optim/ (1 kept them by index in state.pt)
+FORMAT_VERSION = 3  # 3: meta.json carries its own checksum; 2: optimizer moments by name in optim/
+READABLE_FORMATS = (2, 3)  # format 2 is format 3 without meta_sha256
 MOMENTS_DIR = "optim"
 
 
@@ -73,15 +75,22 @@ def write_meta(tmp: Path, step: int, meta: dict[str, Any]) -> None:
     names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in names}
     full_meta = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
+    full_meta["meta_sha256"] = _meta_digest(full_meta)
     (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
 
 
+def _meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of every field but the digest itself (independent of indentation)."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def publish(tmp: Path, final: Path, keep_last: int) -> Path:
-    """Rename the finished `tmp` into place and delete all but the newest `keep_last` checkpoints."""
+    """Rename the finished `tmp` into place and prune to the newest `keep_last` usable checkpoints."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _prune(final.parent, keep_last)
+    _prune(final, keep_last)
     return final
 
 
@@ -94,9 +103,25 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root.parent)[max(keep_last, 1):]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(fresh: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints that verify (`fresh`, just written, counts as one without
+    re-hashing) and every checkpoint newer than the oldest of those; delete only what is older. A
+    resumed run whose newest checkpoints are broken thus never deletes the usable ones it started from.
+    Cost: up to keep_last - 1 older checkpoints are hashed at each save."""
+    usable = 0
+    for path in list_checkpoints(fresh.parent.parent):
+        if usable >= max(keep_last, 1):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path == fresh or _verifies(path):
+            usable += 1
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -108,10 +133,12 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path}: corrupt metadata ({exc})") from exc
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"{meta_path}: checkpoint format {meta.get('format')!r}, this megacpp reads {FORMAT_VERSION}"
+            f"{meta_path}: checkpoint format {meta.get('format')!r}, this megacpp reads {READABLE_FORMATS}"
         )
+    if meta["format"] >= 3 and meta.get("meta_sha256") != _meta_digest(meta):
+        raise CheckpointError(f"{meta_path}: edited or corrupt (its contents do not match its meta_sha256)")
     return meta
 
 
@@ -162,12 +189,20 @@ def latest_valid_checkpoint(out_dir: str | Path, warn=print) -> Path | None:
     return None
 
 
-def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path) -> None:
-    """Refuse to resume into a different model or tokenizer, naming what differs."""
+def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path,
+                     seq_len: int | None = None) -> None:
+    """Refuse to resume into a different model, tokenizer or sequence length, naming what differs.
+    (The global batch is checked by the trainer, which knows the rank count.)"""
     diffs = _dict_diff(meta.get("config", {}).get("model", {}), model_config)
     if diffs:
         shown = "; ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in diffs[:5])
-        raise CheckpointError(f"{where}: incompatible model config ({shown})")
+        raise CheckpointError(f"{where}: incompatible model config ({shown}): the weights have another shape "
+                              "or meaning; resume with the checkpoint's settings or train into another out_dir")
+    saved_len = meta.get("config", {}).get("data", {}).get("seq_len")
+    if seq_len is not None and saved_len is not None and saved_len != seq_len:
+        raise CheckpointError(f"{where}: data.seq_len: checkpoint {saved_len} vs now {seq_len}: the loader's "
+                              "saved position counts rows of the old length, so the resumed run would read "
+                              f"another token stream; resume with --data.seq_len {saved_len}")
     if meta.get("tokenizer_hash") != tokenizer_hash:
         raise CheckpointError(
             f"{where}: trained with tokenizer {str(meta.get('tokenizer_hash'))[:12]}, "

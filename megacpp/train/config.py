@@ -13,6 +13,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     deterministic: bool = False  # bitwise mode: deterministic algorithms, no TF32, pinned autotune
     out_dir: str = "runs/tiny"
+    overwrite: bool = False  # start over in an out_dir holding a run: its files move to previous-<time>/
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 1  # a JSON line per step is cheap, and the plot's moving average needs the points

@@ -42,7 +42,7 @@ from megacpp.distributed.parity import (
 from megacpp.distributed.stats import StatisticsReducer
 from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.doctor import kernel_report
-from megacpp.errors import MegacppError
+from megacpp.errors import Interrupted, MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
@@ -50,7 +50,9 @@ from megacpp.optim import Muon, build_optimizers
 from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
+from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
+from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 from megacpp.train.runtime import autocast_context, peak_flops
 from megacpp.validate import validate_config
 
@@ -62,6 +64,40 @@ def _floats(values: dict[str, Any]) -> dict[str, float]:
 
 class NonFiniteLossError(MegacppError, RuntimeError):
     """Training produced a NaN or infinite loss; the last good checkpoint is left untouched."""
+
+
+class NonFiniteWeightsError(MegacppError, RuntimeError):
+    """A weight holds NaN or infinity at checkpoint time: the checkpoint is not written."""
+
+
+class DivergenceError(MegacppError, RuntimeError):
+    """Training diverged without a NaN (a loss far above chance, or no gradient at all)."""
+
+
+# Divergence rule: at initialization the model predicts close to uniformly, a loss of ln(vocab_size)
+# (plus the weighted MTP loss). A loss DIVERGED_FACTOR times that level for DIVERGED_STEPS consecutive
+# steps means the model is much worse than knowing nothing: a learning rate or data problem that
+# would otherwise burn the rest of the run. One spike does not stop it.
+DIVERGED_FACTOR = 1.5
+DIVERGED_STEPS = 3
+
+
+def uniform_loss(model_cfg: Any) -> float:
+    """The loss of predicting every token uniformly, as the model's loss counts it."""
+    mtp_weight = model_cfg.mtp_loss_weight if model_cfg.mtp_depth > 0 else 0.0
+    return math.log(model_cfg.vocab_size) * (1.0 + mtp_weight)
+
+
+def first_nonfinite_parameter(model: nn.Module) -> str | None:
+    """The name of the first parameter whose local values (this rank's shard) are not all finite.
+    One host sync for all parameters."""
+    named = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    if not named:
+        return None
+    with torch.no_grad():
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()
+    bad = (~finite).nonzero()
+    return named[int(bad[0])][0] if len(bad) else None
 
 
 @dataclass
@@ -137,7 +173,10 @@ def weight_fingerprint(model: nn.Module) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log=print, progress: bool = True, ctx: DistContext | None = None) -> None:
+    def __init__(self, cfg: Config, log=print, progress: bool = True, ctx: DistContext | None = None,
+                 resume: bool | None = None) -> None:
+        """`resume` given here claims the run directory before any data or model work (the CLI does);
+        left None, `run` claims it."""
         self.cfg = cfg
         tc = cfg.train
         # Configs built in Python never met load_config: fail on what the config alone can tell
@@ -147,7 +186,11 @@ class Trainer:
         self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
         self.ctx = ctx or init_distributed(tc.device, cfg.dist, tc.out_dir)
         self.log = log
+        self.run_lock: RunLock | None = None  # held by rank 0 while the run lives
+        self.claimed = False
         try:
+            if resume is not None:
+                self._claim_run_dir(resume)
             self._build(log, progress)
         except BaseException as exc:
             self._fail(exc)
@@ -173,6 +216,7 @@ class Trainer:
                                       make_muon=ShardedMuon if ctx.distributed else Muon)
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
+        self.high_loss_steps = 0  # consecutive steps above the divergence level
         self.losses: list[float] = []
         check_parity(ctx, {
             "config": shared_config(to_dict(cfg)), "versions": library_versions(self.device), "determinism": self.mode,
@@ -183,8 +227,29 @@ class Trainer:
         }, "at start")
 
     def close(self) -> None:
-        """Leave the process group (every exit path: a live group keeps peers waiting)."""
+        """Release the run directory and leave the process group (every exit path: a live group keeps
+        peers waiting)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
         self.ctx.close()
+
+    def _claim_run_dir(self, resume: bool) -> None:
+        """Rank 0 locks the run directory and refuses to destroy a previous run there (megacpp.train.
+        rundir); every rank raises the same error."""
+        error = None
+        if self.ctx.is_main:
+            try:
+                self.run_lock = claim_run_dir(Path(self.cfg.train.out_dir), resume, self.cfg.train.overwrite,
+                                              self.log)
+            except RunDirError as exc:
+                error = str(exc)
+            except OSError as exc:
+                error = f"train.out_dir {self.cfg.train.out_dir}: {exc.strerror or exc}: {exc.filename}"
+        error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise RunDirError(error)
+        self.claimed = True
 
     def _fail(self, exc: BaseException) -> None:
         """Put a rank's failure in its own log file (torchrun shows only the first failing rank)."""
@@ -205,11 +270,23 @@ class Trainer:
                 "world_size": self.ctx.world_size, "global_batch": self.global_batch}
 
     def save(self) -> Path:
+        self._check_finite_weights()
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64)}
         extra = {"tokenizer.json": self.data.tokenizer_json()} if self.ctx.is_main else None
         return dist_checkpoint.save(self.ctx, self.out_dir, self.step, self.model, self.stack.moments(), state,
                                     self.meta(), self.cfg.train.keep_last, extra)
+
+    def _check_finite_weights(self) -> None:
+        """Never write a checkpoint of non-finite weights: it would replace good ones when pruning."""
+        reports = self.ctx.all_gather_objects(first_nonfinite_parameter(self.model))
+        bad = [(rank, name) for rank, name in enumerate(reports) if name is not None]
+        if bad:
+            rank, name = bad[0]
+            where = f" (rank {rank})" if self.ctx.distributed else ""
+            raise NonFiniteWeightsError(
+                f"step {self.step}: parameter {name}{where} holds NaN or infinite values; the checkpoint was "
+                f"not written and the previous ones under {self.out_dir / 'checkpoints'} are untouched")
 
     def resume(self) -> Path | None:
         path = dist_checkpoint.find_resume_checkpoint(self.ctx, self.out_dir, warn=self.log)
@@ -217,7 +294,7 @@ class Trainer:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
         meta = read_meta(path)
-        check_compatible(meta, to_dict(self.cfg.model), self.data.tokenizer_hash, path)
+        check_compatible(meta, to_dict(self.cfg.model), self.data.tokenizer_hash, path, self.cfg.data.seq_len)
         saved_batch = meta.get("global_batch", self.global_batch)
         if saved_batch != self.global_batch and not self.cfg.dist.allow_global_batch_change:
             raise CheckpointError(
@@ -271,8 +348,38 @@ class Trainer:
         raise NonFiniteLossError(f"step {self.step + 1}: {detail}; {where}. The last good checkpoint under "
                                  f"{self.out_dir / 'checkpoints'} is untouched.")
 
+    def _interrupt_requested(self, sigint: SigintFlag) -> bool:
+        """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same step)."""
+        flag = torch.tensor(float(sigint.requested), device=self.device)
+        return bool(self.ctx.all_reduce_(flag, "max").item())
+
+    def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None) -> None:
+        """Save at this step (all ranks together) unless this step's checkpoint was just written."""
+        if just_saved is None:
+            self._expect_progress(watchdog, True, f"checkpoint at step {self.step} (interrupted)")
+            saved = f"saved checkpoint {self.save()}"
+        else:
+            saved = f"no checkpoint was due: {just_saved} was just written"
+        raise Interrupted(f"interrupted at step {self.step}; {saved}")
+
+    def _check_divergence(self, loss: float, grad_norm: float | None) -> None:
+        """Stop a run that diverged without a NaN (the rule is at DIVERGED_FACTOR). Both values are
+        global (the loss averaged over ranks, the norm of the sharded gradients): every rank agrees."""
+        if grad_norm == 0.0:
+            raise DivergenceError(f"step {self.step}: the gradient norm is exactly 0: nothing is learning (a "
+                                  "detached loss, or every target ignored); the run was stopped")
+        level = DIVERGED_FACTOR * uniform_loss(self.cfg.model)
+        self.high_loss_steps = self.high_loss_steps + 1 if loss > level else 0
+        if self.high_loss_steps >= DIVERGED_STEPS:
+            raise DivergenceError(
+                f"step {self.step}: loss {loss:.3f} above {level:.3f} ({DIVERGED_FACTOR} x the uniform-prediction "
+                f"loss ln({self.cfg.model.vocab_size})) for {DIVERGED_STEPS} consecutive steps: training diverged; "
+                f"lower the learning rates and resume from the last checkpoint under {self.out_dir / 'checkpoints'}")
+
     def run(self, resume: bool = False) -> TrainResult:
         try:
+            if not self.claimed:
+                self._claim_run_dir(resume)
             result = self._run(resume)
         except BaseException as exc:
             self._fail(exc)
@@ -282,12 +389,13 @@ class Trainer:
 
     def _run(self, resume: bool) -> TrainResult:
         cfg, tc, ctx = self.cfg, self.cfg.train, self.ctx
-        if ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.toml").write_text(dump_toml(cfg))
         self._check_shared_run_dir()
-        if resume:
+        if resume:  # before anything in out_dir is written: an incompatible resume changes nothing
             self.resume()
+        if self.step >= tc.steps:
+            return self._nothing_to_train()
+        if ctx.is_main:
+            (self.out_dir / "config.toml").write_text(dump_toml(cfg))
         self.log(self.run_header())
         metrics = MetricsLogger(self.out_dir, tc.tensorboard, resume=resume) if ctx.is_main else None
         tokens_per_step = self.global_batch * tc.grad_accum * cfg.data.seq_len
@@ -300,6 +408,7 @@ class Trainer:
         watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
         compile_record: dict[str, Any] = {}
+        sigint = after_warmup.enter_context(SigintFlag())
         try:
             t_last = time.perf_counter()
             warm = False
@@ -319,9 +428,10 @@ class Trainer:
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
+                    postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
                 if self.device.type == "cuda":
                     record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+                self._check_divergence(loss, record.get("grad_norm"))
                 if metrics is not None and (self.step % tc.log_every == 0 or self.step == tc.steps):
                     metrics.log(self.step, "train", record)
                 if self.step % tc.eval_every == 0 or self.step == tc.steps:
@@ -340,6 +450,8 @@ class Trainer:
                 if checkpoint_due:
                     self._expect_progress(watchdog, warm, f"checkpoint at step {self.step}")
                     checkpoint = self.save()
+                if self._interrupt_requested(sigint):
+                    self._stop_interrupted(watchdog, checkpoint if checkpoint_due else None)
             self._expect_progress(watchdog, warm, "the final sample")
             sample = self.sample_text()
         finally:
@@ -356,6 +468,13 @@ class Trainer:
             self.log(f"loss curve: {plot}")
         return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.unigram_bpb, checkpoint,
                            sample, ctx.rank)
+
+    def _nothing_to_train(self) -> TrainResult:
+        """A resumed run already at train.steps: say so and end cleanly (no metrics, plot or sample)."""
+        self.log(f"nothing to train: the run in {self.out_dir} is at step {self.step} and train.steps is "
+                 f"{self.cfg.train.steps}; raise --train.steps to train further")
+        return TrainResult(self.out_dir, self.step, self.losses, None, self.data.unigram_bpb, None, "",
+                           self.ctx.rank)
 
     def _expect_progress(self, watchdog: StepWatchdog | None, warm: bool, what: str) -> None:
         """Arm the stall watchdog for the next phase; not during warmup, whose compiles may take long."""
@@ -440,4 +559,4 @@ class Trainer:
 
 
 def train(cfg: Config, resume: bool = False, log=print, progress: bool = True) -> TrainResult:
-    return Trainer(cfg, log=log, progress=progress).run(resume=resume)
+    return Trainer(cfg, log=log, progress=progress, resume=resume).run(resume=resume)

@@ -17,6 +17,8 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
+        if resume:
+            _end_partial_line(self.path)
         self._file = self.path.open("a" if resume else "w")
         self._writer = None
         if tensorboard:
@@ -39,12 +41,33 @@ class MetricsLogger:
             self._writer.close()
 
 
+def _end_partial_line(path: Path) -> None:
+    """A killed run can leave its last record cut short; end that line so appended records start on
+    their own line. The partial bytes stay (nothing on disk is dropped); readers skip them."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, 2)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    """One record, or None for a line that is not one (a record cut short when a run was killed)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and "step" in record and "kind" in record else None
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl; after a resume, a step logged twice keeps its latest record."""
+    """Records of a metrics.jsonl; after a resume, a step logged twice keeps its latest record.
+    Partial lines left by a killed run are skipped."""
     by_key: dict[tuple[int, str], dict[str, Any]] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
+    for line in Path(path).read_text(errors="replace").splitlines():
+        record = _parse(line) if line.strip() else None
+        if record is not None:
             by_key[(record["step"], record["kind"])] = record
     return sorted(by_key.values(), key=lambda r: (r["step"], r["kind"]))
 

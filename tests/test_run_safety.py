@@ -1,0 +1,273 @@
+"""Run directories and checkpoints never lose work: a reused or busy run directory is refused before any
+data work, overwriting moves the old run aside, pruning keeps usable checkpoints, non-finite weights are
+never saved, silent divergence stops the run, meta.json is checksummed, an incompatible resume is named
+before anything is written, Ctrl-C saves and says how to resume, and a cut-off metrics line is harmless."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp.cli import main
+from megacpp.distributed import checkpoint as dist_checkpoint
+from megacpp.distributed.context import DistContext
+from megacpp.train.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
+from megacpp.train.loop import DivergenceError, NonFiniteWeightsError, Trainer
+from megacpp.train.metrics import MetricsLogger, plot_loss, read_metrics
+from megacpp.train.rundir import LOCK_NAME, RunLock
+from tests.helpers import tiny_train_args, tiny_train_config
+from tests.torchrun import ROOT, free_port, torchrun_args, worker_env
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _train(tmp_path, corpus, *extra: str, **overrides: str) -> int:
+    return main([*tiny_train_args(tmp_path, corpus, **overrides), *extra])
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes (the lock file is the one thing a refusal may touch)."""
+    return {str(f.relative_to(run_dir)): f.read_bytes() for f in sorted(run_dir.rglob("*"))
+            if f.is_file() and f.name != LOCK_NAME}
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def finished_run(tmp_path, small_corpus, capsys) -> Path:
+    """A 2-step run with its checkpoint and metrics, made through the CLI."""
+    assert _train(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2"}) == 0
+    capsys.readouterr()
+    return tmp_path / "run"
+
+
+# ---------------------------------------------------------------- 1. a run directory holding a run
+
+
+def test_training_into_a_used_run_directory_is_refused_before_data_work_and_changes_nothing(
+        tmp_path, small_corpus, finished_run, capsys):
+    before = _snapshot(finished_run)
+    fresh_cache = tmp_path / "other-cache"
+    assert _train(tmp_path, small_corpus, **{"data.cache_dir": str(fresh_cache)}) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"train.out_dir {finished_run} already holds a run (checkpoints/, metrics.jsonl)" in line
+    assert "--resume" in line and "--train.overwrite true" in line
+    assert _snapshot(finished_run) == before
+    assert not fresh_cache.exists(), "refused before the corpus and tokenizer work"
+
+
+def test_overwrite_moves_the_previous_run_aside_byte_for_byte(tmp_path, small_corpus, finished_run, capsys):
+    before = _snapshot(finished_run)
+    assert _train(tmp_path, small_corpus, **{"train.steps": "2", "train.overwrite": "true"}) == 0
+    (previous,) = finished_run.glob("previous-*")
+    assert _snapshot(previous) == before
+    assert [p.name for p in list_checkpoints(finished_run)] == ["step_00000002"]
+    assert len([r for r in read_metrics(finished_run / "metrics.jsonl") if r["kind"] == "train"]) == 2
+
+
+def test_resume_together_with_overwrite_is_refused(tmp_path, small_corpus, capsys):
+    assert _train(tmp_path, small_corpus, "--resume", **{"train.overwrite": "true"}) == 1
+    assert "not both" in _one_line_error(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- 2. two runs at once
+
+
+def test_a_second_run_on_a_locked_run_directory_is_refused_naming_the_holder(tmp_path, small_corpus, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = RunLock(run_dir)
+    held.acquire()
+    try:
+        assert _train(tmp_path, small_corpus) == 1
+    finally:
+        held.release()
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"train.out_dir {run_dir} is in use by another run (pid {os.getpid()} on {os.uname().nodename})" in line
+    assert not (tmp_path / "cache").exists(), "refused before the corpus and tokenizer work"
+
+
+# ---------------------------------------------------------------- 3. pruning
+
+
+def _save(tmp_path, step: int, keep_last: int) -> Path:
+    model = torch.nn.Linear(4, 3)
+    return dist_checkpoint.save(DistContext(), tmp_path, step, model, {"w": torch.zeros(3)}, {"step": step},
+                                {"config": {}, "tokenizer_hash": "abc"}, keep_last)
+
+
+def test_pruning_never_deletes_usable_checkpoints_below_broken_newer_ones(tmp_path):
+    """A run resumed from step 10 because step 20 is broken saves step 15: keep_last=2 keeps 15 and 10
+    (the two usable ones) and leaves the broken 20 for the user to inspect."""
+    _save(tmp_path, 10, keep_last=2)
+    broken = _save(tmp_path, 20, keep_last=2)
+    (broken / "state.pt").write_bytes(b"garbage")
+    _save(tmp_path, 15, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020", "step_00000015", "step_00000010"]
+    _save(tmp_path, 16, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020", "step_00000016", "step_00000015"]
+
+
+# ---------------------------------------------------------------- 4. non-finite weights, divergence, zero steps
+
+
+def test_a_checkpoint_of_nonfinite_weights_is_refused_naming_the_parameter(tmp_path, small_corpus):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "4", "train.ckpt_every": "2"})
+    trainer = Trainer(cfg, log=_quiet, progress=False)
+    original = trainer.train_step
+
+    def poison_after_step_four() -> float:
+        loss = original()
+        if trainer.step == 3:  # the step just run is step 4, whose checkpoint comes next
+            with torch.no_grad():
+                trainer.model.lm_head.weight[0, 0] = float("inf")
+        return loss
+
+    trainer.train_step = poison_after_step_four
+    with pytest.raises(NonFiniteWeightsError, match=r"step 4: parameter lm_head.weight holds NaN or infinite"):
+        trainer.run()
+    (kept,) = list_checkpoints(tmp_path / "run")
+    assert kept.name == "step_00000002"
+    verify_checkpoint(kept)
+
+
+def test_a_loss_far_above_uniform_for_three_steps_stops_the_run(tmp_path, small_corpus, monkeypatch):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "6", "train.ckpt_every": "6"})
+    monkeypatch.setattr(Trainer, "train_step", lambda self: 100.0)
+    with pytest.raises(DivergenceError, match=r"step 3: loss 100.000 above .* for 3 consecutive steps"):
+        Trainer(cfg, log=_quiet, progress=False).run()
+    assert not list_checkpoints(tmp_path / "run")
+
+
+def test_an_exactly_zero_gradient_norm_stops_the_run(tmp_path, small_corpus, monkeypatch):
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "4"})
+    original = Trainer.train_step
+
+    def no_gradient(self) -> float:
+        loss = original(self)
+        self.stack.metrics["grad_norm"] = torch.tensor(0.0)
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", no_gradient)
+    with pytest.raises(DivergenceError, match="step 1: the gradient norm is exactly 0"):
+        Trainer(cfg, log=_quiet, progress=False).run()
+
+
+def test_resuming_a_finished_run_trains_nothing_and_exits_cleanly(tmp_path, small_corpus, finished_run, capsys):
+    before = _snapshot(finished_run)
+    assert _train(tmp_path, small_corpus, "--resume", **{"train.steps": "2"}) == 0
+    out, err = capsys.readouterr()
+    assert "nothing to train: the run in" in out and "at step 2 and train.steps is 2" in out
+    assert "Traceback" not in out + err and "done:" not in out
+    assert _snapshot(finished_run) == before
+
+
+# ---------------------------------------------------------------- 5. meta.json and incompatible resumes
+
+
+def test_an_edited_meta_json_is_detected_and_resume_skips_it(tmp_path):
+    good = _save(tmp_path, 1, keep_last=3)
+    edited = _save(tmp_path, 2, keep_last=3)
+    meta = json.loads((edited / "meta.json").read_text())
+    meta["step"] = 3
+    (edited / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    with pytest.raises(CheckpointError, match=r"meta.json: edited or corrupt"):
+        verify_checkpoint(edited)
+    warnings: list[str] = []
+    assert latest_valid_checkpoint(tmp_path, warn=warnings.append) == good
+    assert "edited or corrupt" in warnings[0]
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ({"data.seq_len": "16"}, "data.seq_len: checkpoint 32 vs now 16"),
+    ({"model.d_model": "48"}, "model.d_model: checkpoint 32 vs now 48"),
+    ({"train.batch_size": "2"}, "written with a global batch of 4 sequences"),
+])
+def test_an_incompatible_resume_is_named_before_anything_is_written(tmp_path, small_corpus, finished_run, capsys,
+                                                                    override, named):
+    before = _snapshot(finished_run)
+    assert _train(tmp_path, small_corpus, "--resume", **{"train.steps": "4", **override}) == 1
+    assert named in _one_line_error(capsys.readouterr().err)
+    assert _snapshot(finished_run) == before
+
+
+# ---------------------------------------------------------------- 6. Ctrl-C
+
+
+def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not (metrics.is_file() and '"kind": "train"' in metrics.read_text()):
+        assert proc.poll() is None, f"exited early: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.2)
+
+
+def _interrupt(cmd: list[str], run_dir: Path, timeout: float = 240) -> tuple[int, str]:
+    """Start `cmd` in its own process group, Ctrl-C the group (as a terminal does) after the first
+    logged step, and return (exit code, output). A hang fails the test."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        _wait_for_first_step(proc, run_dir / "metrics.jsonl", timeout)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
+
+
+def test_sigint_saves_a_checkpoint_exits_130_and_says_how_to_resume(tmp_path, small_corpus):
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "1000", "train.ckpt_every": "1000"})
+    code, out = _interrupt([sys.executable, "-m", "megacpp.cli", *args], tmp_path / "run")
+    assert code == 130, out[-3000:]
+    assert "Traceback" not in out
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    step = verify_checkpoint(ckpt)["step"]
+    assert f"megacpp: interrupted at step {step}; saved checkpoint {ckpt}; continue with: megacpp train" in out
+    assert out.rstrip().endswith("--resume")
+
+
+@pytest.mark.slow
+def test_sigint_under_two_rank_torchrun_saves_one_checkpoint_on_every_rank(tmp_path, small_corpus):
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "1000", "train.ckpt_every": "1000",
+                                                      "train.batch_size": "2"})
+    code, out = _interrupt([*torchrun_args(2, free_port()), "-m", "megacpp.cli", *args], tmp_path / "run")
+    assert code != 0
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    meta = verify_checkpoint(ckpt)
+    assert meta["world_size"] == 2
+    said = [line for line in out.splitlines() if "megacpp: interrupted at step" in line]
+    assert len(said) == 2 and all(f"interrupted at step {meta['step']}; saved checkpoint" in s for s in said), out
+    assert all(s.endswith("continue with: the same torchrun command plus --resume") for s in said)
+    # torchrun itself prints a traceback of its own SignalException; no rank does.
+    assert not [line for line in out.splitlines() if line.startswith("[default") and "Traceback" in line]
+
+
+# ---------------------------------------------------------------- 7. metrics.jsonl cut short
+
+
+def test_a_truncated_last_metrics_line_is_skipped_and_appending_starts_a_new_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "kind": "train", "loss": 5.0}\n{"step": 2, "kind": "tr')
+    assert [r["step"] for r in read_metrics(path)] == [1]
+    logger = MetricsLogger(tmp_path, tensorboard=False, resume=True)
+    logger.log(2, "train", {"loss": 4.0})
+    logger.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 5.0), (2, 4.0)]
+    assert '{"step": 2, "kind": "tr\n' in path.read_text(), "the partial bytes stay on disk"
+    assert plot_loss(path, tmp_path / "loss.png").stat().st_size > 1000
