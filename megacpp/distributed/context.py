@@ -96,9 +96,17 @@ class DistContext:
         _set_pg_timeout(timedelta(seconds=seconds), None)
         return True
 
-    def close(self) -> None:
-        """Destroy the process group (every exit path: a live group keeps peers waiting)."""
+    def close(self, orderly: bool = False) -> None:
+        """Destroy the process group (every exit path: a live group keeps peers waiting).
+
+        ``orderly`` (every rank got here the same way, e.g. at the end of a run): first wait for all
+        ranks, so no rank tears its group down while a peer's last collective is still in flight (gloo
+        then aborts the peer at exit: 'terminate called without an active exception'). Never after a
+        failure: a peer may be stuck elsewhere, and the barrier would hang.
+        """
         if self.distributed and dist.is_initialized():
+            if orderly:
+                dist.barrier()
             dist.destroy_process_group()
 
     def describe(self) -> str:

@@ -226,13 +226,13 @@ class Trainer:
             "initial_weights": initial_weights,
         }, "at start")
 
-    def close(self) -> None:
+    def close(self, orderly: bool = False) -> None:
         """Release the run directory and leave the process group (every exit path: a live group keeps
-        peers waiting)."""
+        peers waiting); ``orderly`` at the end of a run that every rank finished."""
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
-        self.ctx.close()
+        self.ctx.close(orderly)
 
     def _claim_run_dir(self, resume: bool) -> None:
         """Rank 0 locks the run directory and refuses to destroy a previous run there (megacpp.train.
@@ -384,7 +384,7 @@ class Trainer:
         except BaseException as exc:
             self._fail(exc)
             raise
-        self.close()
+        self.close(orderly=True)
         return result
 
     def _run(self, resume: bool) -> TrainResult:

@@ -16,6 +16,7 @@ Usage: torchrun --nproc-per-node=N tests/distributed/muon_parity.py [--compile-b
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -106,6 +107,11 @@ def main() -> None:
         assert graphs > 0 and graphs == graphs_after_first_step, (graphs_after_first_step, graphs)
         print(f"rank {dist.get_rank()} compiled {graphs} graphs in the first step, none after")
     print(f"rank {dist.get_rank()} PASS (largest relative difference {worst:.3e})")
+    # Drop every DTensor (and the collective work they may hold) before the group goes: gloo work still
+    # alive at interpreter exit aborts the process ('terminate called without an active exception').
+    del reference, sharded, ref_params, shard_params, p, q
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -46,7 +46,7 @@ def main() -> None:
         except Exception as exc:
             print(f"rank {ctx.rank}: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
             raise
-    ctx.close()
+    ctx.close(orderly=True)
 
 
 if __name__ == "__main__":
