@@ -158,12 +158,11 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True
-                    ) -> tuple[dict, dict, dict]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
     """Load a checkpoint's weights and train state: (model_state, train_state, meta). The optimizer
     moments are loaded in place by `megacpp.distributed.checkpoint.load`."""
     path = Path(path)
-    meta = verify_checkpoint(path) if verify else read_meta(path)
+    meta = verify_checkpoint(path)
     try:
         model_state = load_file(path / "model.safetensors", device=str(map_location))
     except (SafetensorError, RuntimeError, OSError) as exc:

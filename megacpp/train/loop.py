@@ -47,6 +47,7 @@ from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.optim import Muon, build_optimizers
+from megacpp.optim.local import local_tensor
 from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
@@ -91,7 +92,7 @@ def uniform_loss(model_cfg: Any) -> float:
 def first_nonfinite_parameter(model: nn.Module) -> str | None:
     """The name of the first parameter whose local values (this rank's shard) are not all finite.
     One host sync for all parameters."""
-    named = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    named = [(name, local_tensor(p)) for name, p in model.named_parameters()]
     if not named:
         return None
     with torch.no_grad():
@@ -208,7 +209,8 @@ class Trainer:
         cfg.model.vocab_size = self.data.tokenizer.vocab_size
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
         self.model = HybridLM(cfg.model).to(self.device)
-        initial_weights = weight_fingerprint(self.model)
+        # Fingerprinted before sharding (the whole weights); only a job of several ranks compares it.
+        initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
@@ -218,13 +220,14 @@ class Trainer:
         self.step = 0
         self.high_loss_steps = 0  # consecutive steps above the divergence level
         self.losses: list[float] = []
-        check_parity(ctx, {
-            "config": shared_config(to_dict(cfg)), "versions": library_versions(self.device), "determinism": self.mode,
-            "dynamo_policy": dynamo_policy(), "environment": relevant_env(), "kernels": kernel_report(),
-            "tokenizer": self.data.tokenizer_hash, "data": self.data.shards.key,
-            "global_batch": ctx.world_size * tc.batch_size, "parameters": model_layout(self.model),
-            "initial_weights": initial_weights,
-        }, "at start")
+        if ctx.distributed:  # one process has nobody to compare with: build nothing
+            check_parity(ctx, {
+                "config": shared_config(to_dict(cfg)), "versions": library_versions(self.device),
+                "determinism": self.mode, "dynamo_policy": dynamo_policy(), "environment": relevant_env(),
+                "kernels": kernel_report(), "tokenizer": self.data.tokenizer_hash, "data": self.data.shards.key,
+                "global_batch": ctx.world_size * tc.batch_size, "parameters": model_layout(self.model),
+                "initial_weights": initial_weights,
+            }, "at start")
 
     def close(self, orderly: bool = False) -> None:
         """Release the run directory and leave the process group (every exit path: a live group keeps
@@ -493,7 +496,10 @@ class Trainer:
         return {"graphs_per_rank": self.ctx.all_gather_objects(graphs)}
 
     def _check_replicas(self) -> None:
-        """State every rank holds whole must be identical (buffers such as MoE biases, loader, schedule)."""
+        """State every rank holds whole must be identical (buffers such as MoE biases, loader, schedule).
+        Nothing on one process: the fingerprint hashes every unsharded tensor (there: the whole model)."""
+        if not self.ctx.distributed:
+            return
         extra = {"loader": self.data.loader.state_dict(), "schedule": self.stack.scheduler.state_dict(),
                  "step": self.step}
         check_parity(self.ctx, replica_fingerprint(self.model, extra), f"step {self.step}")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class RunLock:
             owner = _read_owner(self.path)
             raise RunDirError(f"train.out_dir {self.path.parent} is in use by another run ({owner}); wait for "
                               "it to finish or choose another --train.out_dir") from None
-        self.path.write_text(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self.path.write_text(f"pid {os.getpid()} on {platform.node()}\n")
 
     def release(self) -> None:
         if self._lock.is_locked:
