@@ -10,17 +10,18 @@ from megacpp.infer.generate import generate_tokens
 from megacpp.model.hybrid import HybridLM
 from megacpp.train.determinism import configure_mode, mode_report
 from megacpp.train.perturb import perturb_, perturbed, restore_
-from tests.fixtures.make_default_path import FIXTURE, pinned_config, pinned_run
+from tests.fixtures.make_default_path import FIXTURE, pinned_config, pinned_run_in_child
 from tests.helpers import tiny_train_config
 
 
-def test_tier1_default_path_matches_pinned_fixture():
+def test_tier1_default_path_matches_pinned_fixture(tmp_path):
     """The default path (every new flag off) reproduces the stored logits, loss and gradient norm bit
-    for bit on CPU. Breaks when any change alters the default numerics, e.g. adding an always-on
+    for bit on CPU (x86-64, CPU numerics pinned as the fixture script states).
+    Breaks when any change alters the default numerics, e.g. adding an always-on
     scale of 1.0 inside a mixer, reordering a sum, or changing an initialiser. An intended change
     regenerates the fixture (tests/fixtures/make_default_path.py) and says why in the commit."""
     expected = load_file(str(FIXTURE))
-    got = pinned_run()
+    got = pinned_run_in_child(tmp_path / "run.safetensors")
     for key in ("logits", "loss", "grad_norm"):
         assert torch.equal(got[key], expected[key]), f"{key} changed on the default path"
 
