@@ -45,9 +45,12 @@ def _inputs(b: int, t: int, n_heads: int, dk: int, dv: int, seed: int) -> tuple[
     return q, k, v, f, W, h0, grad_y, grad_states
 
 
-def _case_errors(case: tuple[int, ...], seed: int) -> dict[str, tuple[float, float]]:
-    """{output: (max |triton - reference|, max |reference|)}; the backward gets the reference states."""
+def _case_errors(case: tuple[int, ...], seed: int, states_grad: bool) -> dict[str, tuple[float, float]]:
+    """{output: (max |triton - reference|, max |reference|)}; the backward gets the reference states.
+    Without states_grad the states gradient is absent (an empty tensor), as in training."""
     q, k, v, f, W, h0, grad_y, grad_states = _inputs(*case, seed)
+    if not states_grad:
+        grad_states = grad_states.new_empty(0)
     ref = _scan_fwd(q, k, v, f, W, h0)  # CPU tensors: the op runs its PyTorch reference
     ref = (*ref, *_scan_bwd(q, k, v, f, W, h0, ref[1], grad_y, grad_states))
     out = (*m2rnn_triton.scan_fwd_triton(q, k, v, f, W, h0),
@@ -61,7 +64,8 @@ def _case_errors(case: tuple[int, ...], seed: int) -> dict[str, tuple[float, flo
 
 def _report() -> None:
     """Subprocess entry point: prints every case's errors as one JSON line."""
-    print(json.dumps({str(c): _case_errors(c, seed) for seed, c in enumerate(CASES)}))
+    print(json.dumps({f"{c}/{states_grad}": _case_errors(c, seed, states_grad)
+                      for seed, c in enumerate(CASES) for states_grad in (True, False)}))
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +77,13 @@ def errors_by_case() -> dict[str, dict[str, list[float]]]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("states_grad", [True, False], ids=["states_grad", "no_states_grad"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_t{}_H{}_dk{}_dv{}".format(*c))
-def test_tier3_triton_scan_matches_reference_interpreted(errors_by_case, case):
+def test_tier3_triton_scan_matches_reference_interpreted(errors_by_case, case, states_grad):
+    """Also with the states gradient absent (the kernel then skips its reads): a dropped y term would
+    show in every gradient."""
     t = case[1]
-    for name, (err, scale) in errors_by_case[str(case)].items():
+    for name, (err, scale) in errors_by_case[f"{case}/{states_grad}"].items():
         bound = 8 * EPS * t * max(1.0, scale)
         assert err <= bound, f"{name}: max abs diff {err:.3g} > {bound:.3g} (max |ref| {scale:.3g})"
 
@@ -117,3 +124,18 @@ def test_tier1_triton_registered_as_cuda_kernel_only():
     for op in ("megacpp::m2rnn_scan_fwd", "megacpp::m2rnn_scan_bwd"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
+
+
+def test_tier1_absent_states_gradient_equals_a_zero_one():
+    """Training reads y only: the op's backward then gets no states gradient (not materialised) and
+    must give exactly the gradients a zero states gradient gives."""
+    q, k, v, f, W, h0, grad_y, _ = _inputs(2, 9, 2, 16, 16, seed=7)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, f, W, h0)]
+    y, _states = _scan_fwd(*leaves)
+    y.backward(grad_y)
+    absent = [x.grad for x in leaves]
+    leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    y, states = _scan_fwd(*leaves)
+    torch.autograd.backward([y, states], [grad_y, torch.zeros_like(states)])
+    for name, a, z in zip(["q", "k", "v", "f", "W", "h0"], absent, [x.grad for x in leaves], strict=True):
+        assert torch.equal(a, z), name

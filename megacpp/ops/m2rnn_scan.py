@@ -93,8 +93,11 @@ def _scan_bwd_reference(
     grad_pre = torch.empty_like(states)  # dL/dp_t for every t
     carry = h0.new_zeros(n_heads, b, dk, dv)  # dL/dh_t from later steps; reused every step
     w_t = W.transpose(1, 2)
+    has_grad_states = grad_states.numel() > 0  # empty: nothing reached the states output
     for i in range(t - 1, -1, -1):
-        carry.add_(grad_states[i]).addcmul_(qs[i].unsqueeze(-1), grad_y[i].unsqueeze(-2))
+        if has_grad_states:
+            carry.add_(grad_states[i])
+        carry.addcmul_(qs[i].unsqueeze(-1), grad_y[i].unsqueeze(-2))
         dp = torch.mul(carry, 1 - states[i].square(), out=grad_pre[i])
         torch.bmm(dp.view(n_heads, b * dk, dv), w_t, out=carry.view(n_heads, b * dk, dv))
         carry.mul_(fs[i][..., None, None])
@@ -122,10 +125,19 @@ def _scan_bwd_fake(q, k, v, f, W, h0, states, grad_y, grad_states):
 
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs, output[1])
+    # Training reads y only: an unmaterialised (None) states gradient saves a zero-filled tensor the
+    # size of every state (3.2 GB per layer on `small`) and the kernel's reads of it.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y: Tensor, grad_states: Tensor):
-    return _scan_bwd(*ctx.saved_tensors, grad_y.contiguous(), grad_states.contiguous())
+def _backward(ctx, grad_y: Tensor | None, grad_states: Tensor | None):
+    saved = ctx.saved_tensors
+    states = saved[-1]
+    if grad_y is None:
+        grad_y = states.new_zeros(states.shape[:-2] + states.shape[-1:])
+    # An empty tensor stands for "no states gradient": the op's signature stays all-tensor.
+    grad_states = states.new_empty(0) if grad_states is None else grad_states.contiguous()
+    return _scan_bwd(*saved, grad_y.contiguous(), grad_states)
 
 
 _scan_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -7,8 +7,10 @@ one launch per direction instead of a few per token. Each program writes its row
 (a sum over rows) goes to per-block partial buffers summed after the launch. The backward's loop only
 carries dL/dh back through time and stores dL/dp for every step; grad_v and grad_W (sums over rows,
 batch and time) are batched matmuls over it afterwards, off the sequential chain. No atomics anywhere,
-so results are deterministic. Everything is fp32; `tl.dot` runs in "ieee" precision (no TF32) to
-match the reference's fp32 matmuls.
+so results are deterministic. Everything is fp32; `tl.dot` runs as "tf32x3" (split-TF32 tensor-core
+products, fp32-equivalent accuracy) to match the reference's fp32 matmuls at tensor-core latency (see
+`_dot_precision`). Each step's inputs are loaded during the step before, so memory latency overlaps
+the chain, and a states gradient that is absent (training reads y only) is neither read nor zero-filled.
 
 Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
 (`unsupported_reason` says why not; `with_fallback` sends such calls to the reference).
@@ -38,44 +40,45 @@ def _tanh(x):
 
 @triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, states_ptr, T, H, B,
-                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = kb * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DV)
     tile = rows[:, None] * DV + cols[None, :]
     w = tl.load(w_ptr + hd * DV * DV + cols[:, None] * DV + cols[None, :])
     h = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
+    # Token ti's inputs are loaded during step ti - 1 (software prefetch): their latency from memory
+    # would otherwise sit on the sequential chain of every step.
+    tok = tl.cast(b * T, tl.int64) * H + hd  # (b, t, H) index of token 0's inputs
+    f, k = tl.load(f_ptr + tok), tl.load(k_ptr + tok * DK + rows)
+    v, q = tl.load(v_ptr + tok * DV + cols), tl.load(q_ptr + tok * DK + rows)
     for i in range(T):
         ti = tl.cast(i, tl.int64)  # states hold t * H * b * dk * dv elements: past int32 at full size
-        tok = (b * T + ti) * H + hd  # (b, t, H) index of the inputs
         step = (ti * H + hd) * B + b  # (t, H, b) index of the outputs
-        f = tl.load(f_ptr + tok)
-        k = tl.load(k_ptr + tok * DK + rows)
-        v = tl.load(v_ptr + tok * DV + cols)
-        q = tl.load(q_ptr + tok * DK + rows)
-        h = _tanh(f * tl.dot(h, w, input_precision="ieee") + k[:, None] * v[None, :])
+        nxt = (b * T + tl.minimum(ti + 1, T - 1)) * H + hd
+        f_n, k_n = tl.load(f_ptr + nxt), tl.load(k_ptr + nxt * DK + rows)
+        v_n, q_n = tl.load(v_ptr + nxt * DV + cols), tl.load(q_ptr + nxt * DK + rows)
+        h = _tanh(f * tl.dot(h, w, input_precision=PRECISION) + k[:, None] * v[None, :])
         tl.store(states_ptr + step * DK * DV + tile, h)
         tl.store(y_part_ptr + (kb * T * H * B + step) * DV + cols, tl.sum(q[:, None] * h, axis=0))
+        f, k, v, q = f_n, k_n, v_n, q_n
 
 
 @triton.jit
-def _bwd_step(carry, h, h_prev, gs, w_t, ti, b, hd, kb, T, H, B,
-              q_ptr, v_ptr, f_ptr, gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr,
-              DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
-    """One step back through time ti given this block's tiles of h_ti, h_{ti-1} and dL/dh_ti from the
-    states output (gs): stores dL/dp_ti (p the pre-activation) and the per-row sums of this block,
-    returns dL/dh_{ti-1} (before later steps add to it)."""
+def _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
+              gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+              HAS_GS: tl.constexpr):
+    """One step back through time given this block's tiles of h_t, h_{t-1}, dL/dh_t from the states
+    output (gs, when HAS_GS) and the token's q, v, f, dL/dy: stores dL/dp_t (p the pre-activation) and
+    the per-row sums of this block, returns dL/dh_{t-1} (before later steps add to it)."""
     rows = kb * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DV)
-    tok = (b * T + ti) * H + hd
-    step = (ti * H + hd) * B + b
-    f = tl.load(f_ptr + tok)
-    v = tl.load(v_ptr + tok * DV + cols)
-    q = tl.load(q_ptr + tok * DK + rows)
-    gy = tl.load(gy_ptr + step * DV + cols)
-    carry += gs + q[:, None] * gy[None, :]
+    if HAS_GS:
+        carry += gs
+    carry += q[:, None] * gy[None, :]
     dp = carry * (1.0 - h * h)
-    back = tl.dot(dp, w_t, input_precision="ieee")  # dL/dh_{t-1} / f_t
+    back = tl.dot(dp, w_t, input_precision=PRECISION)  # dL/dh_{t-1} / f_t
     tl.store(dp_ptr + step * DK * DV + rows[:, None] * DV + cols[None, :], dp)
     # Sums along a row stay inside this program; sums over rows and time (grad_v, grad_W) are batched
     # matmuls over the stored dp after the launch, off the sequential chain.
@@ -89,29 +92,42 @@ def _bwd_step(carry, h, h_prev, gs, w_t, ti, b, hd, kb, T, H, B,
 @triton.jit
 def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
                 gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, gh0_ptr, T, H, B,
-                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_GS: tl.constexpr):
     b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = kb * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DV)
     tile = rows[:, None] * DV + cols[None, :]
     w_t = tl.load(w_ptr + hd * DV * DV + cols[None, :] * DV + cols[:, None])  # W^T
     carry = tl.zeros((BLOCK, DV), dtype=tl.float32)  # dL/dh_t from later steps
-    # The (t, H, b) tile of step ti; h_{ti-1} of one step is h of the next, and the next step's tiles
-    # are loaded before this step's math so their latency overlaps it (the chain is what bounds a scan).
+    # Everything step ti reads is loaded during step ti + 1 (h_{ti-1} of one step is h of the next):
+    # memory latency then overlaps the math instead of lengthening the sequential chain.
     last = tl.cast(T - 1, tl.int64)
-    h = tl.load(states_ptr + ((last * H + hd) * B + b) * DK * DV + tile)
-    gs = tl.load(gs_ptr + ((last * H + hd) * B + b) * DK * DV + tile)
+    step = (last * H + hd) * B + b  # (t, H, b) index
+    tok = (b * T + last) * H + hd  # (b, t, H) index
+    h = tl.load(states_ptr + step * DK * DV + tile)
+    gs = tl.zeros((BLOCK, DV), dtype=tl.float32)
+    if HAS_GS:
+        gs = tl.load(gs_ptr + step * DK * DV + tile)
     h_prev = tl.load(states_ptr + ((tl.maximum(last - 1, 0) * H + hd) * B + b) * DK * DV + tile)
+    q, v = tl.load(q_ptr + tok * DK + rows), tl.load(v_ptr + tok * DV + cols)
+    f, gy = tl.load(f_ptr + tok), tl.load(gy_ptr + step * DV + cols)
     for i in range(T - 1):  # steps T-1 .. 1; step 0 reads h0 (after the loop)
         ti = last - i
-        h_prev_next = tl.load(states_ptr + ((tl.maximum(ti - 2, 0) * H + hd) * B + b) * DK * DV + tile)
-        gs_next = tl.load(gs_ptr + (((ti - 1) * H + hd) * B + b) * DK * DV + tile)
-        carry = _bwd_step(carry, h, h_prev, gs, w_t, ti, b, hd, kb, T, H, B, q_ptr, v_ptr, f_ptr,
-                          gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK)
-        h, h_prev, gs = h_prev, h_prev_next, gs_next
+        step_n = ((ti - 1) * H + hd) * B + b
+        tok_n = (b * T + ti - 1) * H + hd
+        h_prev_n = tl.load(states_ptr + ((tl.maximum(ti - 2, 0) * H + hd) * B + b) * DK * DV + tile)
+        gs_n = gs
+        if HAS_GS:
+            gs_n = tl.load(gs_ptr + step_n * DK * DV + tile)
+        q_n, v_n = tl.load(q_ptr + tok_n * DK + rows), tl.load(v_ptr + tok_n * DV + cols)
+        f_n, gy_n = tl.load(f_ptr + tok_n), tl.load(gy_ptr + step_n * DV + cols)
+        carry = _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
+                          gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK, PRECISION, HAS_GS)
+        h, h_prev, gs, q, v, f, gy, tok, step = h_prev, h_prev_n, gs_n, q_n, v_n, f_n, gy_n, tok_n, step_n
     h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
-    carry = _bwd_step(carry, h, h_prev, gs, w_t, tl.cast(0, tl.int64), b, hd, kb, T, H, B, q_ptr, v_ptr,
-                      f_ptr, gy_ptr, gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK)
+    carry = _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
+                      gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK, PRECISION, HAS_GS)
     tl.store(gh0_ptr + (hd * B + b) * DK * DV + tile, carry)
 
 
@@ -135,6 +151,16 @@ def _check(tensors: tuple[Tensor, ...], q: Tensor, v: Tensor) -> tuple[int, int,
     return b, t, n_heads, dk, dv
 
 
+def _dot_precision(device: torch.device) -> str:
+    """The per-step (16 x dv) @ (dv x dv) product is on the sequential chain: "tf32x3" (three TF32
+    tensor-core products, fp32-equivalent accuracy) cut the backward scan from 29.1 to 12.3 ms and the
+    forward from 5.0 to 3.8 ms at `small`'s sizes on an H200 against fp32 FMAs ("ieee"), moving the
+    gradients by 8e-7 relative (BENCHMARKS.md). Before Ampere there are no TF32 tensor cores."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "ieee"
+    return "tf32x3"
+
+
 def _num_warps(dv: int) -> int:
     # The (dv x dv) W tile held in registers wants ~32 fp32 values per thread at most: 4 warps up to
     # 64 x 64, 8 beyond.
@@ -149,7 +175,8 @@ def scan_fwd_triton(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: T
     y_part = q.new_empty(n_blocks, t, n_heads, b, dv)
     states = q.new_empty(t, n_heads, b, dk, dv)
     _fwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, y_part, states, t, n_heads, b,
-                                        DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv))
+                                        DK=dk, DV=dv, BLOCK=BLOCK_K, PRECISION=_dot_precision(q.device),
+                                        num_warps=_num_warps(dv))
     return y_part.sum(0), states
 
 
@@ -165,9 +192,11 @@ def scan_bwd_triton(
     grad_q, grad_k, grad_h0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(h0)
     grad_f_rows = torch.empty_like(q)  # (b, t, H, dk): grad_f before the sum over rows
     grad_pre = torch.empty_like(states)  # dL/dp for every step, (t, H, b, dk, dv)
+    has_gs = grad_states.numel() > 0  # empty: no gradient reaches the states output (the usual case)
     _bwd_kernel[(b, n_heads, dk // BLOCK_K)](q, v, f, W, h0, states, grad_y, grad_states,
                                              grad_q, grad_k, grad_f_rows, grad_pre, grad_h0, t, n_heads, b,
-                                             DK=dk, DV=dv, BLOCK=BLOCK_K, num_warps=_num_warps(dv))
+                                             DK=dk, DV=dv, BLOCK=BLOCK_K, PRECISION=_dot_precision(q.device),
+                                             HAS_GS=has_gs, num_warps=_num_warps(dv))
     # grad_v[b, t, H] = k^T dp and grad_W[H] = sum over (t, b) of f_t h_{t-1}^T dp_t, as batched matmuls
     # over (t, H): rows of b and dk are contracted together, so no operand needs a transposing copy.
     k_thb = k.permute(1, 2, 0, 3).unsqueeze(-2)  # (t, H, b, 1, dk)
