@@ -7,6 +7,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.moe import MoE
+from megacpp.model.registry import BLOCK_KINDS
 from megacpp.optim import OptimConfig, build_optimizers
 from tests.test_hybrid import shrunk
 
@@ -25,6 +26,7 @@ def test_tiny_hybrid_compiles_with_inductor_without_breaks(mode):
     health bounds hold (forward and backward). Breaks if any mixer falls out of the graph."""
     torch.manual_seed(0)
     model = HybridLM(shrunk("tiny", depth=10))
+    assert set(model.layout) == set(BLOCK_KINDS), "the test must cover every registered block kind"
     cfg = CompileConfig(mode=mode, backend="inductor")
     with CompileHealth(bounds_for(cfg)) as health:
         health.attach(compile_model(model, cfg))

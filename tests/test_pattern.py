@@ -35,3 +35,22 @@ def test_empty_pattern_is_an_error():
 def test_depth_that_cannot_fill_the_pattern(depth):
     with pytest.raises(PatternError, match="cannot fill"):
         expand_pattern("AEMR", depth)
+
+
+def test_tier1_every_registered_kind_builds_from_the_registry():
+    """The registry is the one table: each symbol's mixer is built from its own sub-config, and the
+    pattern error lists every registered kind. Breaks if a kind is added to one place only."""
+    from megacpp.model.config import ModelConfig
+    from megacpp.model.hybrid import Block
+    from megacpp.model.registry import BLOCK_KINDS
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, depth=5, pattern="".join(BLOCK_KINDS))
+    cfg.attention.n_heads, cfg.attention.n_kv_heads, cfg.attention.head_dim = 2, 1, 32
+    for symbol, kind in BLOCK_KINDS.items():
+        block = Block(symbol, cfg, 0)
+        assert type(block.mixer) is kind.mixer_class()
+        assert hasattr(cfg, kind.config_field)
+    with pytest.raises(PatternError) as err:
+        validate_pattern("AX")
+    for symbol, kind in BLOCK_KINDS.items():
+        assert f"{symbol} ({kind.description})" in str(err.value)

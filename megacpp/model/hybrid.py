@@ -15,36 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacpp.model.attention import Attention
 from megacpp.model.config import ModelConfig
 from megacpp.model.engram import Engram, NgramHashEmbedding
-from megacpp.model.ffn import FFN
-from megacpp.model.m2rnn import M2RNN
-from megacpp.model.mamba3 import Mamba3
-from megacpp.model.moe import MoE
 from megacpp.model.pattern import expand_pattern
+from megacpp.model.registry import BLOCK_KINDS
 
 IGNORE_INDEX = -1
-
-# pattern symbol -> (mixer class, name of its sub-config in ModelConfig)
-MIXERS: dict[str, tuple[type[nn.Module], str]] = {
-    "A": (Attention, "attention"),
-    "M": (Mamba3, "mamba"),
-    "R": (M2RNN, "rnn"),
-    "E": (MoE, "moe"),
-    "F": (FFN, "ffn"),
-}
-
 
 class Block(nn.Module):
     """One residual sublayer ``x + mixer(norm(x))``, plus an optional Engram branch on the same input."""
 
     def __init__(self, kind: str, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        mixer_cls, sub = MIXERS[kind]
+        block_kind = BLOCK_KINDS[kind]
         self.kind = kind
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = mixer_cls(cfg.d_model, getattr(cfg, sub), layer_idx)
+        self.mixer = block_kind.mixer_class()(cfg.d_model, getattr(cfg, block_kind.config_field), layer_idx)
         self.engram = Engram(cfg.d_model, cfg.engram, layer_idx) if layer_idx in cfg.engram.layers else None
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:

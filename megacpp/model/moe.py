@@ -119,6 +119,11 @@ class MoE(nn.Module):
             nn.init.zeros_(self.shared_down.weight)
         self.expert_bias.zero_()
 
+    def inactive_parameters(self) -> int:
+        """Routed-expert parameters a token does not touch (top_k of n_experts are active)."""
+        experts = self.w_up.numel() + self.w_down.numel()
+        return experts - experts * self.cfg.top_k // self.cfg.n_experts
+
     def capacity(self, seq_len: int) -> int:
         """Slots per expert per sequence: from the static sequence length, never the batch size, which
         the compile policy marks dynamic."""

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from megacpp.model.hybrid import HybridLM
-from megacpp.model.moe import MoE
-from megacpp.model.pattern import BLOCK_KINDS
+from megacpp.model.registry import BLOCK_KINDS
 
 
 def _numel(module) -> int:
@@ -11,22 +10,19 @@ def _numel(module) -> int:
 
 
 def _inactive(block) -> int:
-    """Routed-expert parameters a token does not touch (top_k of n_experts are active)."""
-    mixer = block.mixer
-    if not isinstance(mixer, MoE):
-        return 0
-    experts = mixer.w_up.numel() + mixer.w_down.numel()
-    return experts - experts * mixer.cfg.top_k // mixer.cfg.n_experts
+    """Parameters a token does not touch: the mixer's optional `inactive_parameters` hook."""
+    hook = getattr(block.mixer, "inactive_parameters", None)
+    return hook() if hook is not None else 0
 
 
 def parameter_rows(model: HybridLM) -> list[tuple[str, int, int, int]]:
     """(name, sublayers, total params, active params) per block kind, then the other parts."""
     rows = []
-    for kind, name in BLOCK_KINDS.items():
+    for kind, info in BLOCK_KINDS.items():
         blocks = [b for b in model.blocks if b.kind == kind]
         if blocks:
             total = sum(_numel(b.mixer) + _numel(b.norm) for b in blocks)
-            rows.append((f"{kind} {name}", len(blocks), total, total - sum(_inactive(b) for b in blocks)))
+            rows.append((f"{kind} {info.description}", len(blocks), total, total - sum(_inactive(b) for b in blocks)))
     engrams = [b.engram for b in model.blocks if b.engram is not None]
     if engrams:
         n = sum(_numel(e) for e in engrams)

@@ -8,14 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from megacpp.errors import MegacppError
-
-BLOCK_KINDS: dict[str, str] = {
-    "A": "attention",
-    "M": "Mamba-3",
-    "R": "M2RNN recurrence",
-    "E": "mixture-of-experts FFN",
-    "F": "dense FFN",
-}
+from megacpp.model.registry import BLOCK_KINDS
 
 
 class PatternError(MegacppError, ValueError):
@@ -23,7 +16,7 @@ class PatternError(MegacppError, ValueError):
 
 
 def _allowed() -> str:
-    return ", ".join(f"{k} ({v})" for k, v in BLOCK_KINDS.items())
+    return ", ".join(f"{k} ({v.description})" for k, v in BLOCK_KINDS.items())
 
 
 def validate_pattern(pattern: str) -> str:
