@@ -63,9 +63,17 @@ def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
 
 
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.train.autofit import AutoFitChild
+    from megacpp.train.supervisor import supervise, wants_supervisor
+
+    if wants_supervisor(cfg):  # CUDA: the training runs (and re-runs, after a warmup OOM) as a child
+        return supervise(cfg, args.argv, args.resume)
     from megacpp.train.loop import train
 
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    child = AutoFitChild.from_env()
+    if child is not None and child.micro_batch is not None:  # a retry: the supervisor's choice wins
+        cfg.train.micro_batch = child.micro_batch
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, autofit=child)
     if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
         print(f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
               f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
@@ -284,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.argv = argv  # what a supervised command runs again in its child
     try:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
