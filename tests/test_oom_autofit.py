@@ -23,6 +23,7 @@ import torch
 import torch.distributed
 from safetensors.torch import load_file
 
+from megacpp.cli import main
 from megacpp.config import ConfigError, load_config
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
@@ -79,6 +80,15 @@ def test_next_micro_batch_halves_through_divisors_of_the_batch_down_to_the_floor
     assert next_micro_batch(12, 1, 1) is None  # nothing below the floor of 1
     assert next_micro_batch(12, 6, 4) is None  # 3 would be below a floor of 4
     assert next_micro_batch(10, 10, 1) == 5 and next_micro_batch(10, 5, 1) == 2  # 5 // 2 = 2 divides 10
+
+
+def test_train_help_documents_the_autofit_switches(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "train.oom_autofit = true (the default)" in out
+    assert "train.oom_min_micro_batch" in out and "train.micro_batch" in out
 
 
 def test_a_micro_batch_that_does_not_divide_the_batch_is_a_config_error_naming_both_keys():
