@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megacpp.distributed.rendezvous import attempt_store, job_store, oom_key
 from megacpp.errors import MegacppError
 
 if TYPE_CHECKING:
-    from torch.distributed import PrefixStore
+    from torch.distributed import PrefixStore, Store
 
 WINDOW_STEPS = 3
 OOM_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: "try again"; the supervisor does, with a smaller micro-batch
@@ -136,7 +137,7 @@ class AutoFitChild:
         self.micro_batch = micro_batch
         self.report_path = report_path
         self.spawned = spawned
-        self.store = None  # the job store under torchrun (set by `connect`)
+        self.store: Store | None = None  # the job store under torchrun (set by `connect`)
 
     @classmethod
     def from_env(cls) -> AutoFitChild | None:
@@ -157,15 +158,11 @@ class AutoFitChild:
         the process group (None on one process)."""
         if world_size <= 1:
             return None
-        from megacpp.distributed.rendezvous import attempt_store, job_store
-
         self.store = job_store(timeout_s)
         return attempt_store(self.store, self.attempt)
 
     def peer_report(self) -> OomReport | None:
         """The report of a rank that ran out of memory in this attempt, if one did (torchrun only)."""
-        from megacpp.distributed.rendezvous import oom_key
-
         key = oom_key(self.attempt)
         if self.store is None or not self.store.check([key]):
             return None
@@ -182,7 +179,8 @@ class AutoFitChild:
         oom = find_out_of_memory(exc)
         if oom is not None:
             memory, peak = peak_memory(device)
-            report = OomReport(rank, micro_batch, step, memory, peak, str(oom).strip().splitlines()[0])
+            first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
+            report = OomReport(rank, micro_batch, step, memory, peak, first_line)
             self._publish(report)
             _say(f"{who}out of memory in warmup step {step} at micro-batch {micro_batch} ({memory}); "
                  "auto-fit retries with a smaller micro-batch")
@@ -196,9 +194,7 @@ class AutoFitChild:
     def _publish(self, report: OomReport) -> None:
         """The store first: a peer whose collective breaks when this process exits must find the key."""
         if self.store is not None:
-            from megacpp.distributed.rendezvous import oom_key
-
-            self.store.set(oom_key(self.attempt), report.to_json())
+                self.store.set(oom_key(self.attempt), report.to_json())
         self.report_path.parent.mkdir(parents=True, exist_ok=True)
         self.report_path.write_text(report.to_json())
 

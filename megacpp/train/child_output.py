@@ -13,6 +13,7 @@ import codecs
 import io
 import os
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import IO, BinaryIO
@@ -78,11 +79,15 @@ class ChildOutput:
             self._log.flush()
             self._tail.extend(lines)
 
-    def close(self) -> None:
-        """Wait until both pipes are drained (the child has exited and every byte is written)."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait until both pipes are drained: every byte the child wrote is shown and logged. A pipe
+        still held open by a process that escaped the child's process group is abandoned after
+        `timeout_s` (its daemon thread keeps copying)."""
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join()
-        self._log.close()
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if not any(thread.is_alive() for thread in self._threads):
+            self._log.close()
 
     def tail(self) -> list[str]:
         with self._lock:

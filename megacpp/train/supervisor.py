@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from megacpp.config import Config
 from megacpp.distributed.context import torchrun_world
+from megacpp.distributed.rendezvous import CLAIM_KEY, agent_hosts_store, job_store, oom_key
 from megacpp.train import autofit
 from megacpp.train.autofit import AutoFitError, OomReport
 from megacpp.train.child_output import ChildOutput
@@ -120,15 +121,11 @@ def supervise(cfg: Config, argv: Sequence[str], resume: bool) -> int:
 def _job_store(job: Job, timeout_s: float) -> Store | None:
     if not job.distributed:
         return None
-    from megacpp.distributed.rendezvous import agent_hosts_store, job_store
-
     return job_store(timeout_s, host=job.rank == 0 and not agent_hosts_store())
 
 
 def _claim(job: Job, cfg: Config, resume: bool, store: Store | None) -> RunLock | None:
     """Rank 0 claims the run directory (megacpp.train.rundir); every rank fails with its refusal."""
-    from megacpp.distributed.rendezvous import CLAIM_KEY
-
     lock, refusal = None, ""
     if job.rank == 0:
         try:
@@ -185,6 +182,7 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
     output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
     with _forward_signals(proc) as forwarded:
         peer_oom = _wait(proc, attempt, store)
+    _end_stragglers(proc.pid)
     output.close()
     status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     oom = _read_report(report_path) or peer_oom or _peer_report(store, attempt)
@@ -251,11 +249,18 @@ def _wait(proc: subprocess.Popen, attempt: int, store: Store | None) -> OomRepor
             kill_at = None
 
 
+def _end_stragglers(pgid: int) -> None:
+    """Kill what the child left behind in its process group (Inductor's compile workers, an autotune
+    subprocess): they would hold its output pipes open and, on a GPU, memory the next attempt needs."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left of it: the usual case
+        pass
+
+
 def _peer_report(store: Store | None, attempt: int) -> OomReport | None:
     if store is None:
         return None
-    from megacpp.distributed.rendezvous import oom_key
-
     key = oom_key(attempt)
     return OomReport.from_json(store.get(key)) if store.check([key]) else None
 
