@@ -36,10 +36,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from megacpp.config import Config
@@ -175,18 +175,19 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
     report_path.unlink(missing_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    proc = subprocess.Popen(command, env=child_environment(os.environ, attempt, micro, report_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    header = (f"=== megacpp auto-fit attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}), micro-batch "
-              f"{micro if micro is not None else 'as configured'}: {shlex.join(command)}")
-    output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
-    with _forward_signals(proc) as forwarded:
+    with _ForwardSignals() as forwarding:  # before the child exists: no Ctrl-C may fall between the two
+        proc = forwarding.child = subprocess.Popen(
+            command, env=child_environment(os.environ, attempt, micro, report_path), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        header = (f"=== megacpp auto-fit attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}), micro-batch "
+                  f"{micro if micro is not None else 'as configured'}: {shlex.join(command)}")
+        output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
         peer_oom = _wait(proc, attempt, store)
     _end_stragglers(proc.pid)
     output.close()
     status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     oom = _read_report(report_path) or peer_oom or _peer_report(store, attempt)
-    return Outcome(status, oom, bool(forwarded), output)
+    return Outcome(status, oom, bool(forwarding.received), output)
 
 
 def child_environment(environ: dict[str, str], attempt: int, micro: int | None, report_path: Path) -> dict[str, str]:
@@ -210,21 +211,26 @@ def child_environment(environ: dict[str, str], attempt: int, micro: int | None, 
     return env
 
 
-@contextmanager
-def _forward_signals(proc: subprocess.Popen) -> Iterator[list[int]]:
-    """While inside: SIGINT, SIGTERM and SIGHUP received here go to the child; yields their list."""
-    forwarded: list[int] = []
+class _ForwardSignals:
+    """Within ``with``: SIGINT, SIGTERM and SIGHUP received here go to `child` (once it is set) and
+    are listed in `received`."""
 
-    def forward(signum: int, _frame) -> None:
-        forwarded.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signum)
+    def __init__(self) -> None:
+        self.child: subprocess.Popen | None = None
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        yield forwarded
-    finally:
-        for sig, handler in previous.items():
+    def _forward(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def __enter__(self) -> _ForwardSignals:
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED_SIGNALS}
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
