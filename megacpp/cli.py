@@ -27,6 +27,19 @@ configuration:
 """
 
 
+EPILOG_TRAIN = """\
+GPU memory (out-of-memory auto-fit):
+  On CUDA, with train.oom_autofit = true (the default), the training runs as a child process. If it
+  runs out of GPU memory in its first 3 steps it is started again with half the micro-batch and
+  twice the accumulation (train.micro_batch: rows per forward/backward, a divisor of
+  train.batch_size), so the global batch, the token stream and the learning-rate schedule do not
+  change; down to train.oom_min_micro_batch (default 1), then it stops with one line naming the
+  smallest micro-batch tried and the peak memory. Under torchrun all ranks retry together. Each
+  attempt's output is also kept in <out_dir>/logs/attempt<N>.log; the chosen micro-batch is recorded
+  in the checkpoints and --resume keeps it. --train.oom_autofit false turns it off; it is off on CPU.
+"""
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="named preset to start from (default: the file's preset, else tiny)")
@@ -63,9 +76,17 @@ def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
 
 
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.train.autofit import AutoFitChild
+    from megacpp.train.supervisor import supervise, wants_supervisor
+
+    if wants_supervisor(cfg):  # CUDA: the training runs (and re-runs, after a warmup OOM) as a child
+        return supervise(cfg, args.argv, args.resume)
     from megacpp.train.loop import train
 
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    child = AutoFitChild.from_env()
+    if child is not None and child.micro_batch is not None:  # a retry: the supervisor's choice wins
+        cfg.train.micro_batch = child.micro_batch
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, autofit=child)
     if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
         print(f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
               f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
@@ -195,15 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func, help_text: str, config: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG_CONFIG if config else None,
+    def add(name: str, func, help_text: str, config: bool = True, epilog: str = "") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           epilog=epilog + EPILOG_CONFIG if config else None,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if config:
             _add_config_args(p)
         p.set_defaults(func=func)
         return p
 
-    p = add("train", cmd_train, "train a model (default: the tiny preset on torch's C++ headers, on CPU)")
+    p = add("train", cmd_train, "train a model (default: the tiny preset on torch's C++ headers, on CPU)",
+            epilog=EPILOG_TRAIN + "\n")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in out_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
 
@@ -284,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.argv = argv  # what a supervised command runs again in its child
     try:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)

@@ -172,6 +172,8 @@ RANGES: dict[str, Interval] = {
     "train.steps": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum": AT_LEAST_1,
+    "train.micro_batch": NON_NEGATIVE,  # 0 = the whole batch_size
+    "train.oom_min_micro_batch": AT_LEAST_1,
     "train.eval_every": AT_LEAST_1,
     "train.eval_batches": AT_LEAST_1,
     "train.log_every": AT_LEAST_1,
@@ -335,6 +337,15 @@ def _device_form(k: _Keys) -> None:
         raise k.error("train.device", "must be auto, cpu, cuda or cuda:N")
 
 
+def _micro_batch_divides(k: _Keys) -> None:
+    """Every micro-batch of a batch has the same size: a ragged last one would weigh its tokens
+    differently in the loss and compile another graph."""
+    micro, batch = k.value("train.micro_batch"), k.value("train.batch_size")
+    if micro and batch % micro:
+        raise k.error_among(("train.micro_batch", "train.batch_size"),
+                            "the micro-batch must divide train.batch_size (0 = the whole batch)")
+
+
 # ---------------------------------------------------------------- rules between sections
 
 
@@ -397,7 +408,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _ngram_orders,
     ),
     "data": (_byte_limits, _extensions_dotted),
-    "train": (_device_form,),
+    "train": (_device_form, _micro_batch_divides),
     "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _schedule_fits_run),
 }
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store
 
 from megacpp.compile.versions import supports
 from megacpp.config import ConfigError
@@ -148,11 +149,14 @@ def rank_device(name: str, local_rank: int, world: int) -> torch.device:
     return device
 
 
-def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | None = None) -> DistContext:
+def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | None = None,
+                     store: Store | None = None, eager_nccl: bool = True) -> DistContext:
     """Create the process group of this torchrun job (nothing outside torchrun) and return the context.
 
     Call after `megacpp.compile.prepare_compile` (it sets NCCL's heartbeat for long compiles) and
-    before anything else touches the GPU.
+    before anything else touches the GPU. ``store``: rendezvous on this store instead of torchrun's
+    environment (an auto-fit attempt's own namespace, megacpp.distributed.rendezvous). ``eager_nccl``
+    False creates the NCCL communicators at the first collective instead of here (an auto-fit retry).
     """
     rank, world, local_rank = torchrun_world()
     device = rank_device(device_name, local_rank, world)
@@ -165,8 +169,15 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     if run_dir is not None:
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir).resolve() / "logs" / "nccl_trace_rank_"))
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.init_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    # device_id binds the group to the GPU and forms the NCCL communicators now (eager); without it
+    # NCCL forms them at the first collective, on the device set above.
+    device_id = device if device.type == "cuda" and eager_nccl else None
+    timeout = timedelta(seconds=cfg.init_timeout_s)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, store=store, rank=rank,
+                                world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))

@@ -22,12 +22,14 @@ from torch import Tensor, nn
 from megacpp.compile.versions import torch_version
 from megacpp.distributed.context import DistContext, DistError
 from megacpp.optim.local import is_sharded
+from megacpp.train.autofit import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
 
 # Environment variables that change what torch compiles or how it computes; per-rank variables
 # (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, ...) and paths are deliberately absent.
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_NCCL_", "NCCL_ALGO", "NCCL_PROTO",
                 "CUBLAS_", "CUDNN_", "NVIDIA_TF32_OVERRIDE", "PYTORCH_CUDA_ALLOC_CONF", "MEGACPP_")
-ENV_PER_RANK = ("TORCH_FR_DUMP_TEMP_FILE", "MEGACPP_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+ENV_PER_RANK = ("TORCH_FR_DUMP_TEMP_FILE", "MEGACPP_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                *AUTOFIT_PER_RANK_ENV)
 # Config keys that name host-local places: hosts may keep their caches anywhere (the data itself is
 # compared through the tokenizer hash and the data key).
 HOST_LOCAL_KEYS = (("data", "cache_dir"), ("compile", "cache_dir"))

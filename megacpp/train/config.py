@@ -7,8 +7,15 @@ from dataclasses import dataclass
 @dataclass
 class TrainConfig:
     steps: int = 600
-    batch_size: int = 16
+    batch_size: int = 16  # sequences per rank per loader step; the global batch is ranks x this x grad_accum
     grad_accum: int = 1
+    # Sequences per forward/backward: 0 = the whole batch_size; else a divisor of it, each batch then
+    # runs as batch_size / micro_batch accumulated micro-batches (same rows, same loss, less memory).
+    micro_batch: int = 0
+    # CUDA: a run that runs out of memory in its first steps restarts itself with half the micro-batch
+    # (megacpp.train.supervisor), down to oom_min_micro_batch. Ignored on CPU.
+    oom_autofit: bool = True
+    oom_min_micro_batch: int = 1
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     deterministic: bool = False  # bitwise mode: deterministic algorithms, no TF32, pinned autotune

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepar
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
-from megacpp.distributed.context import DistContext, init_distributed
+from megacpp.distributed.context import DistContext, init_distributed, torchrun_world
 from megacpp.distributed.health import check_compile_health
 from megacpp.distributed.logs import RankLog
 from megacpp.distributed.muon import ShardedMuon
@@ -48,6 +49,7 @@ from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.optim import Muon, build_optimizers
 from megacpp.optim.local import local_tensor
+from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
 from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
@@ -115,10 +117,11 @@ class TrainResult:
 
 @torch.no_grad()
 def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
-                 ctx: DistContext | None = None) -> float:
+                 ctx: DistContext | None = None, micro_batch: int | None = None) -> float:
     """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
     (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the
-    same `max_batches` global batches and the sums are added over ranks.
+    same `max_batches` global batches and the sums are added over ranks. ``micro_batch`` runs each
+    batch in slices of that many rows (the training micro-batch: what fits in memory).
 
     Runs eagerly (``force_eager``) so no-grad evaluation never compiles or recompiles a frame.
     """
@@ -127,11 +130,13 @@ def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_b
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
     with torch.compiler.set_stance("force_eager"), autocast_context(device):
         for batch in data.val_batches(max_batches):
-            logits = model(batch.inputs, doc_ids=batch.doc_ids)
             # Special-token targets (document ends) stand for no bytes: excluded from both sums.
             targets = batch.targets.masked_fill(batch.target_bytes == 0, IGNORE_INDEX)
-            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            for inputs, doc_ids, part_targets in micro_batches((batch.inputs, batch.doc_ids, targets),
+                                                               micro_batch or len(batch.inputs)):
+                logits = model(inputs, doc_ids=doc_ids)
+                sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), part_targets.flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
             sums[1] += batch.target_bytes.sum()
     model.train(was_training)
     if ctx is not None:
@@ -175,9 +180,10 @@ def weight_fingerprint(model: nn.Module) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, log=print, progress: bool = True, ctx: DistContext | None = None,
-                 resume: bool | None = None) -> None:
+                 resume: bool | None = None, autofit: AutoFitChild | None = None) -> None:
         """`resume` given here claims the run directory before any data or model work (the CLI does);
-        left None, `run` claims it."""
+        left None, `run` claims it. `autofit`: this process is an attempt started by the auto-fit
+        supervisor, which holds the run directory for every attempt (nothing to claim here)."""
         self.cfg = cfg
         tc = cfg.train
         # Configs built in Python never met load_config: fail on what the config alone can tell
@@ -185,17 +191,28 @@ class Trainer:
         validate_config(cfg)
         self.mode = configure_mode(tc.deterministic)
         self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
-        self.ctx = ctx or init_distributed(tc.device, cfg.dist, tc.out_dir)
+        self.autofit = autofit
+        self.ctx = ctx or self._init_distributed()
         self.log = log
         self.run_lock: RunLock | None = None  # held by rank 0 while the run lives
-        self.claimed = False
+        self.claimed = autofit is not None
         try:
-            if resume is not None:
+            if resume is not None and not self.claimed:
                 self._claim_run_dir(resume)
             self._build(log, progress)
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    def _init_distributed(self) -> DistContext:
+        """The process group; an auto-fit attempt meets its peers in a store namespace of its own, and a
+        retry forms its NCCL communicators lazily (megacpp.distributed.rendezvous)."""
+        tc = self.cfg.train
+        if self.autofit is None:
+            return init_distributed(tc.device, self.cfg.dist, tc.out_dir)
+        _, world, _ = torchrun_world()
+        store = self.autofit.connect(world, self.cfg.dist.init_timeout_s)
+        return init_distributed(tc.device, self.cfg.dist, tc.out_dir, store=store, eager_nccl=not self.autofit.is_retry)
 
     def _build(self, log, progress: bool) -> None:
         cfg, tc, ctx = self.cfg, self.cfg.train, self.ctx
@@ -218,6 +235,9 @@ class Trainer:
                                       make_muon=ShardedMuon if ctx.distributed else Muon)
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
+        self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
+        self.steps_started = 0  # by this process: the auto-fit warmup window counts them
+        self.oom_hook = TEST_OOM_ENV in os.environ
         self.high_loss_steps = 0  # consecutive steps above the divergence level
         self.losses: list[float] = []
         if ctx.distributed:  # one process has nobody to compare with: build nothing
@@ -270,7 +290,7 @@ class Trainer:
     def meta(self) -> dict[str, Any]:
         return {"config": to_dict(self.cfg), "tokenizer_hash": self.data.tokenizer_hash,
                 "determinism": self.mode, "torch": str(torch_version()),
-                "world_size": self.ctx.world_size, "global_batch": self.global_batch}
+                "world_size": self.ctx.world_size, "global_batch": self.global_batch, "micro_batch": self.micro_batch}
 
     def save(self) -> Path:
         self._check_finite_weights()
@@ -311,24 +331,44 @@ class Trainer:
         set_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         self.losses = state["losses"].tolist()
+        self._reuse_micro_batch(meta.get("micro_batch"), path)
         check_parity(self.ctx, {"checkpoint": str(path), "step": self.step,
                                 "loader": self.data.loader.state_dict()}, "after resume")
         self.log(f"resumed from {path} at step {self.step}")
         return path
 
+    def _reuse_micro_batch(self, recorded: int | None, path: Path) -> None:
+        """A resumed run keeps the micro-batch its checkpoint recorded (auto-fit's choice, or the user's)
+        unless train.micro_batch is set (by the user, or by the supervisor for a retry)."""
+        tc = self.cfg.train
+        if tc.micro_batch or recorded is None or recorded == self.micro_batch:
+            return
+        if tc.batch_size % recorded:
+            self.log(f"resume: the micro-batch {recorded} recorded in {path / 'meta.json'} does not divide "
+                     f"train.batch_size {tc.batch_size}; using micro-batch {self.micro_batch}")
+            return
+        self.micro_batch = tc.micro_batch = recorded
+        self.log(f"resume: micro-batch {recorded} x {tc.batch_size // recorded} per batch of {tc.batch_size}, as "
+                 f"recorded in {path / 'meta.json'} (set --train.micro_batch to choose another)")
+
     # ---------------------------------------------------------------- steps
 
     def train_step(self) -> float:
+        """One optimizer step: grad_accum loader batches, each as batch_size / micro_batch micro-batches
+        of its rows; every micro-batch's mean loss is weighted by 1 / (number of micro-batches)."""
         tc = self.cfg.train
+        micro_steps = tc.grad_accum * (tc.batch_size // self.micro_batch)
         total = torch.zeros((), device=self.device)
         last_batch = None
         for _ in range(tc.grad_accum):
-            x, y, doc_ids = next(self.data.loader)
-            with autocast_context(self.device):
-                loss = self.model(x, y, doc_ids) / tc.grad_accum
-            loss.backward()
-            total += loss.detach()
-            last_batch = (x, doc_ids)
+            for x, y, doc_ids in micro_batches(next(self.data.loader), self.micro_batch):
+                if self.oom_hook and injected_oom(self.ctx.rank, self.micro_batch):
+                    raise torch.OutOfMemoryError(f"{TEST_OOM_ENV}: injected at micro-batch {self.micro_batch}")
+                with autocast_context(self.device):
+                    loss = self.model(x, y, doc_ids) / micro_steps
+                loss.backward()
+                total += loss.detach()
+                last_batch = (x, doc_ids)
         self.reduce_statistics()
         value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
         if not math.isfinite(value):
@@ -417,11 +457,14 @@ class Trainer:
             warm = False
             while self.step < tc.steps:
                 self._expect_progress(watchdog, warm, f"step {self.step + 1}")
+                self.steps_started += 1
                 loss = self.train_step()
                 self.step += 1
                 if not warm:  # every compiled region has run once: from here a recompile is a regression
                     compile_record = self._end_warmup(after_warmup)
                     warm = True
+                    if self.autofit is not None:
+                        self.log(self.autofit.first_step_line(self.micro_batch))
                 self.losses.append(loss)
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
@@ -439,7 +482,7 @@ class Trainer:
                     metrics.log(self.step, "train", record)
                 if self.step % tc.eval_every == 0 or self.step == tc.steps:
                     self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
-                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx)
+                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx, self.micro_batch)
                     if metrics is not None:
                         metrics.log(self.step, "val", {"val_bpb": val_bpb})
                 if val_bpb is not None:
@@ -457,6 +500,11 @@ class Trainer:
                     self._stop_interrupted(watchdog, checkpoint if checkpoint_due else None)
             self._expect_progress(watchdog, warm, "the final sample")
             sample = self.sample_text()
+        except BaseException as exc:
+            if self.autofit is not None:  # a warmup out-of-memory error leaves here, for a retry
+                in_window = self.steps_started <= WINDOW_STEPS and checkpoint is None
+                self.autofit.on_failure(exc, in_window, ctx.rank, self.micro_batch, self.step + 1, self.device)
+            raise
         finally:
             if watchdog is not None:
                 watchdog.close()
@@ -536,11 +584,16 @@ class Trainer:
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             parameter_table(self.model),
             self.stack.routing_table,
-            f"batch {tc.batch_size} x {self.ctx.world_size} rank(s) x {tc.grad_accum} accum x "
+            f"batch {tc.batch_size}{self._micro_batch_note()} x {self.ctx.world_size} rank(s) x "
+            f"{tc.grad_accum} accum x "
             f"{self.cfg.data.seq_len} tokens, {tc.steps} steps; "
             f"unigram entropy of the corpus: {self.data.unigram_bpb:.3f} bits/byte",
         ]
         return "\n".join(lines)
+
+    def _micro_batch_note(self) -> str:
+        split = self.cfg.train.batch_size // self.micro_batch
+        return f" (as {split} micro-batches of {self.micro_batch})" if split > 1 else ""
 
     def sample_text(self) -> str:
         """Every rank decodes (a sharded model gathers weights collectively); rank 0's token choice is
@@ -564,5 +617,6 @@ class Trainer:
         return text
 
 
-def train(cfg: Config, resume: bool = False, log=print, progress: bool = True) -> TrainResult:
-    return Trainer(cfg, log=log, progress=progress, resume=resume).run(resume=resume)
+def train(cfg: Config, resume: bool = False, log=print, progress: bool = True,
+          autofit: AutoFitChild | None = None) -> TrainResult:
+    return Trainer(cfg, log=log, progress=progress, resume=resume, autofit=autofit).run(resume=resume)

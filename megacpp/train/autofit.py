@@ -1,0 +1,224 @@
+"""Out-of-memory auto-fit: the micro-batch arithmetic, and the training process's side of a retry.
+
+A CUDA run that runs out of memory in its warmup restarts with half the micro-batch and twice the
+accumulation (`next_micro_batch`): each loader batch of ``train.batch_size`` rows is then run as
+several micro-batches of the same rows, with the loss divided by the number of micro-batches, so the
+global batch, the token stream and the learning-rate schedule do not change. The parent process
+(megacpp.train.supervisor) starts the training as a child and starts it again after such an exit;
+this module is what the child does:
+
+- the warmup window: the first `WINDOW_STEPS` optimizer steps of the process, closed early by the
+  first checkpoint it publishes (a retry starts the run over, or resumes from the checkpoint the first
+  attempt resumed from: nothing written in the window may outlive it). Three steps because memory
+  peaks late: the optimizer state is allocated in step 1's update, so step 2's backward is the first
+  with everything resident; step 3 is margin for the caching allocator's fragmentation.
+- an out-of-memory error in the window: the rank writes its report (micro-batch, peak memory) to
+  the job store (under torchrun) and to a file, prints one line and leaves with `OOM_EXIT_CODE`, at
+  once (`os._exit`: tearing down a process group whose peers wait inside a collective can hang);
+- any other failure in the window while a peer reported an out-of-memory error (a collective broken
+  by the peer's exit): the same exit, so the supervisor retries instead of reporting a crash.
+
+Environment of a child (set by the supervisor): `ATTEMPT_ENV` (1, 2, ...), `MICRO_BATCH_ENV` (absent
+on attempt 1: the configured, or on --resume the recorded, micro-batch), `REPORT_ENV`, `SPAWNED_ENV`,
+`PARENT_ENV`. `TEST_OOM_ENV` is a test-only hook, documented at `injected_oom`.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megacpp.distributed.rendezvous import attempt_store, job_store, oom_key
+from megacpp.errors import MegacppError
+
+if TYPE_CHECKING:
+    from torch.distributed import PrefixStore, Store
+
+WINDOW_STEPS = 3
+OOM_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: "try again"; the supervisor does, with a smaller micro-batch
+
+ATTEMPT_ENV = "MEGACPP_AUTOFIT_ATTEMPT"
+MICRO_BATCH_ENV = "MEGACPP_MICRO_BATCH"
+REPORT_ENV = "MEGACPP_AUTOFIT_REPORT"
+SPAWNED_ENV = "MEGACPP_AUTOFIT_SPAWNED"
+PARENT_ENV = "MEGACPP_AUTOFIT_PARENT"
+TEST_OOM_ENV = "MEGACPP_TEST_OOM_ABOVE"
+PER_RANK_ENV = (REPORT_ENV, SPAWNED_ENV, PARENT_ENV)  # differ between ranks by design (parity skips them)
+
+
+class AutoFitError(MegacppError):
+    """Out of memory in warmup even at the smallest micro-batch auto-fit may try."""
+
+
+def next_micro_batch(batch_size: int, current: int, floor: int) -> int | None:
+    """The micro-batch to retry with after `current` ran out of memory: the largest divisor of
+    `batch_size` at most half of `current` (64 -> 32, 12 -> 6 -> 3 -> 1), or None below `floor`."""
+    for candidate in range(current // 2, floor - 1, -1):
+        if batch_size % candidate == 0:
+            return candidate
+    return None
+
+
+def micro_batches(tensors: tuple[torch.Tensor, ...], micro_batch: int) -> list[tuple[torch.Tensor, ...]]:
+    """Row slices of a batch's tensors of `micro_batch` rows each, in order; the batch itself, untouched,
+    when it is one micro-batch (the default path)."""
+    rows = tensors[0].shape[0]
+    if micro_batch >= rows:
+        return [tensors]
+    return list(zip(*(t.split(micro_batch) for t in tensors), strict=True))
+
+
+def peak_memory(device: torch.device) -> tuple[str, int | None]:
+    """(description, bytes) of this process's peak memory: the CUDA caching allocator's peak against
+    the GPU's capacity; on CPU the peak resident set size (no device memory to speak of)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"peak {peak / 2**30:.2f} GiB allocated of {total / 2**30:.2f} GiB on {device}", peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return f"peak host RSS {rss / 2**30:.2f} GiB on cpu", rss
+
+
+def find_out_of_memory(exc: BaseException) -> torch.OutOfMemoryError | None:
+    """The out-of-memory error behind `exc`, also when a compiler or wrapper re-raised it as another."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def injected_oom(rank: int, micro_batch: int, environ: dict[str, str] | None = None) -> bool:
+    """Test-only hook: ``MEGACPP_TEST_OOM_ABOVE=M`` (every rank) or ``M:R`` (rank R only) makes each
+    training micro-step at a micro-batch above M raise ``torch.OutOfMemoryError``, as a GPU too small
+    for it would. It also turns the supervisor on on CPU, where auto-fit is otherwise off. Never set it
+    outside tests."""
+    spec = (os.environ if environ is None else environ).get(TEST_OOM_ENV)
+    if spec is None:
+        return False
+    above, _, only_rank = spec.partition(":")
+    return micro_batch > int(above) and (not only_rank or int(only_rank) == rank)
+
+
+@dataclass
+class OomReport:
+    """What a rank says when it ran out of memory in warmup; the supervisors decide from it."""
+    rank: int
+    micro_batch: int
+    step: int
+    memory: str  # peak_memory's description
+    peak_bytes: int | None
+    error: str  # the first line of the error
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> OomReport:
+        return cls(**json.loads(text))
+
+
+class AutoFitChild:
+    """The training process's side of auto-fit, present only in a child of the supervisor."""
+
+    def __init__(self, attempt: int, micro_batch: int | None, report_path: Path, spawned: float) -> None:
+        self.attempt = attempt
+        self.micro_batch = micro_batch
+        self.report_path = report_path
+        self.spawned = spawned
+        self.store: Store | None = None  # the job store under torchrun (set by `connect`)
+
+    @classmethod
+    def from_env(cls) -> AutoFitChild | None:
+        """The child's settings, or None in a process the supervisor did not start."""
+        if ATTEMPT_ENV not in os.environ:
+            return None
+        _die_with_parent(int(os.environ[PARENT_ENV]))
+        micro = os.environ.get(MICRO_BATCH_ENV)
+        return cls(int(os.environ[ATTEMPT_ENV]), int(micro) if micro else None, Path(os.environ[REPORT_ENV]),
+                   float(os.environ[SPAWNED_ENV]))
+
+    @property
+    def is_retry(self) -> bool:
+        return self.attempt > 1
+
+    def connect(self, world_size: int, timeout_s: float) -> PrefixStore | None:
+        """Under torchrun: connect to the job store and return this attempt's rendezvous namespace for
+        the process group (None on one process)."""
+        if world_size <= 1:
+            return None
+        self.store = job_store(timeout_s)
+        return attempt_store(self.store, self.attempt)
+
+    def peer_report(self) -> OomReport | None:
+        """The report of a rank that ran out of memory in this attempt, if one did (torchrun only)."""
+        key = oom_key(self.attempt)
+        if self.store is None or not self.store.check([key]):
+            return None
+        return OomReport.from_json(self.store.get(key))
+
+    def on_failure(self, exc: BaseException, in_window: bool, rank: int, micro_batch: int, step: int,
+                   device: torch.device) -> None:
+        """Leave for a retry (never returns) when `exc` is a warmup out-of-memory error of this rank or
+        follows from one of a peer's; return otherwise (the caller re-raises). Prints one line on this
+        rank's stderr (its supervisor's log and terminal), never a traceback."""
+        if not in_window:
+            return
+        who = f"rank {rank}: " if self.store is not None else ""
+        oom = find_out_of_memory(exc)
+        if oom is not None:
+            memory, peak = peak_memory(device)
+            first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
+            report = OomReport(rank, micro_batch, step, memory, peak, first_line)
+            self._publish(report)
+            _say(f"{who}out of memory in warmup step {step} at micro-batch {micro_batch} ({memory}); "
+                 "auto-fit retries with a smaller micro-batch")
+            _exit(OOM_EXIT_CODE)
+        peer = self.peer_report()
+        if peer is not None and peer.rank != rank:
+            _say(f"{who}stopping for the auto-fit retry: rank {peer.rank} ran out of memory in warmup step "
+                 f"{peer.step} ({type(exc).__name__} here as a consequence)")
+            _exit(OOM_EXIT_CODE)
+
+    def _publish(self, report: OomReport) -> None:
+        """The store first: a peer whose collective breaks when this process exits must find the key."""
+        if self.store is not None:
+                self.store.set(oom_key(self.attempt), report.to_json())
+        self.report_path.parent.mkdir(parents=True, exist_ok=True)
+        self.report_path.write_text(report.to_json())
+
+    def first_step_line(self, micro_batch: int) -> str:
+        return (f"auto-fit attempt {self.attempt}: first step done {time.time() - self.spawned:.1f} s after the "
+                f"process started (micro-batch {micro_batch})")
+
+
+def _say(message: str) -> None:
+    print(f"megacpp: {message}", file=sys.stderr)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when the supervisor dies (even by SIGKILL): an orphaned
+    training process would go on holding the GPU and writing checkpoints. Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the supervisor died before the request took effect
+        _exit(128 + signal.SIGKILL)
