@@ -530,7 +530,8 @@ class Trainer:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
-            f"({self.cfg.compile.backend}); {self.ctx.describe()}",
+            f"({self.cfg.compile.backend}), optimizer step "
+            f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}",
             self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
