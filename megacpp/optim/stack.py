@@ -114,16 +114,18 @@ def build_optimizers(
     *,
     hints: Mapping[str, ParamHint] | None = None,
     make_muon: Callable[..., Muon] = Muon,
+    model_compiled: bool = True,
 ) -> OptimizerStack:
     """Route `model`'s parameters (megacpp.optim.groups) and build the stack; logs the routing table.
 
     total_steps sizes the *_frac schedule phases; without it only warmup_steps/decay_steps apply
     (a decay phase then needs total_steps and raises). ``hints`` are the modules' parameter hints,
     collected before any wrapping (default: collected now). ``make_muon`` builds the Muon part (the
-    sharded variant under FSDP2).
+    sharded variant under FSDP2). ``model_compiled=False`` (compile mode none) keeps an "auto"
+    ``compile_step`` eager: nothing of such a run is compiled.
     """
     routes = route_parameters(model, cfg, hints)
-    compile_step = resolve_compile_step(cfg.compile_step, next(model.parameters()).device)
+    compile_step = resolve_compile_step(cfg.compile_step, next(model.parameters()).device, model_compiled)
     muon_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     adamw_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in routes:
@@ -167,12 +169,13 @@ def build_optimizers(
                           names={r.param: r.name for r in routes})
 
 
-def resolve_compile_step(setting: bool | str, device: torch.device) -> bool:
+def resolve_compile_step(setting: bool | str, device: torch.device, model_compiled: bool = True) -> bool:
     """`OptimConfig.compile_step` for parameters on `device`: "auto" compiles on CUDA, where one fused
-    graph replaces hundreds of launches and stacked copies (the eager step is memory-bound), and stays
-    eager elsewhere (on a CPU the compile costs more than it saves, and the eager step is the reference)."""
+    graph replaces hundreds of launches and passes over memory (the eager step is memory-bound), unless
+    the model itself runs uncompiled; it stays eager elsewhere (on a CPU the compile costs more than it
+    saves, and the eager step is the reference). True and False are obeyed as given."""
     if setting == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and model_compiled
     return bool(setting)
 
 

@@ -215,7 +215,8 @@ class Trainer:
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
         self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      make_muon=ShardedMuon if ctx.distributed else Muon)
+                                      make_muon=ShardedMuon if ctx.distributed else Muon,
+                                      model_compiled=cfg.compile.mode != "none")
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
         self.high_loss_steps = 0  # consecutive steps above the divergence level
