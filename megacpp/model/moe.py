@@ -10,7 +10,8 @@ compete for slots, so a row's output does not depend on the rest of the batch.
 Token choice has two dispatches of the routed rows to the experts (``MoEConfig.dispatch``): padded
 (above; the reference and the CPU path) and grouped (dropless: the b*t*k routed rows sorted by expert
 and run through one grouped GEMM per projection, nothing dropped; the CUDA path under bf16 autocast).
-The two agree exactly when nothing overflows the padded capacity.
+When nothing overflows the padded capacity the two compute the same rows: bitwise where the GEMMs are
+exact, otherwise up to their summation order.
 
 Expert choice (experimental): each expert picks its top-capacity tokens of each sequence. It looks
 at future tokens, so it is not causal and `forward_step` does not reproduce `forward`.
