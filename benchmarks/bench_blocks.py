@@ -67,8 +67,9 @@ def main() -> None:
     acfg = AttentionConfig(n_heads=6, n_kv_heads=2, head_dim=128)
     run("A attention (GQA 6/2 x 128), compiled", Attention(d, acfg, 0), None, True)
     run("A attention, compiled, doc_ids", Attention(d, acfg, 0), doc_ids, True)
-    ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True)
-    run("E MoE (top-2 of 16 x 1024 + shared), compiled", MoE(d, ecfg, 0), None, True)
+    for dispatch in ("padded", "grouped"):  # "auto", the default, is grouped here (CUDA, bf16 autocast)
+        ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True, dispatch=dispatch)
+        run(f"E MoE (top-2 of 16 x 1024 + shared), {dispatch}, compiled", MoE(d, ecfg, 0), None, True)
 
     tokens = b * t
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | d_model {d}, B{b} x T{t}, bf16 autocast")

@@ -32,9 +32,10 @@ def median_ms(step: Callable[[], None], device: torch.device, warmup: int, iters
 
 
 def fwd_bwd_ms(module: nn.Module, *inputs: torch.Tensor, warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of forward + backward (sum of the output) under bf16 autocast on CUDA."""
+    """Median milliseconds of forward + backward (sum of the output) under bf16 autocast on the inputs'
+    device (CUDA; CPU for smoke runs)."""
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
             out = module(*inputs)
         out.float().sum().backward()
 

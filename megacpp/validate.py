@@ -28,6 +28,7 @@ from megacpp.config import Config, ConfigError, Provenance, check_types
 from megacpp.data.config import MIN_VOCAB_SIZE
 from megacpp.errors import MegacppError
 from megacpp.model.mamba3 import num_rope_angles
+from megacpp.model.moe import grouped_dispatch_problem
 from megacpp.model.pattern import PatternError, expand_pattern, validate_pattern
 from megacpp.optim.schedule import WarmupStableDecay
 
@@ -295,6 +296,16 @@ def _moe_top_k(k: _Keys) -> None:
                             "top_k must be <= n_experts: each token picks distinct experts")
 
 
+def _moe_grouped_dispatch(k: _Keys) -> None:
+    """dispatch = "grouped" forces the dropless grouped GEMMs: token-choice routing, a torch with
+    grouped_mm and 16-byte-aligned rows, or the model cannot be built ("auto" falls back instead)."""
+    if k.uses("E") and k.value("model.moe.dispatch") == "grouped":
+        problem = grouped_dispatch_problem(k.value("model.d_model"), k.value("model.moe"))
+        if problem:
+            keys = ("model.moe.dispatch", "model.moe.routing", "model.d_model", "model.moe.expert_hidden")
+            raise k.error_among(keys, problem)
+
+
 def _engram_layers_in_depth(k: _Keys) -> None:
     """An Engram layer index outside [0, depth) matches no block: the branch would silently not exist."""
     depth = k.value("model.depth")
@@ -402,6 +413,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _mamba_rope_angles,
         _mamba_dt_range,
         _moe_top_k,
+        _moe_grouped_dispatch,
         _rnn_dt_range,
         _rnn_decay_range,
         _engram_layers_in_depth,

@@ -1,4 +1,6 @@
 """torch.compile on the real hybrid: no graph breaks in either region mode, no recompiles in training."""
+import copy
+
 import pytest
 import torch
 
@@ -64,5 +66,37 @@ def test_thirty_training_steps_without_recompiles():
                 health.end_warmup()
         assert health.totals().recompiles_after_warmup == 0
         assert health.check_bounds(strict=True) == []
+        assert health.snapshot()["HybridLM.loss"].graphs >= 1  # the loss head is a region of its own
     assert not torch.equal(biases[0], biases[-1]), "MoE routing bias never moved"
     assert len(set(lrs)) > 5, "the learning rate never changed"
+
+
+def test_tier3_blocks_mode_loss_head_is_one_region_equal_to_eager():
+    """blocks mode compiles the loss head (final norm, LM head, soft-cap, cross-entropy and two MTP
+    heads with document masking) as one region: one graph, zero breaks, the smaller batch after warmup
+    reuses it, and loss and gradients match the uncompiled model. Tolerance 1e-6 absolute: the same
+    fp32 ops run through AOTAutograd's traced backward, whose gradient accumulation order may differ
+    from eager autograd's by an ulp of O(1) values (the loss is ~ln(97) = 4.6, gradients are < 1)."""
+    torch.manual_seed(0)
+    cfg = shrunk("tiny", depth=1)
+    cfg.pattern, cfg.mtp_depth = "F", 2
+    eager = HybridLM(cfg)
+    compiled = copy.deepcopy(eager)
+    ccfg = CompileConfig(mode="blocks", backend="aot_eager", fullgraph=True)
+    with CompileHealth(bounds_for(ccfg)) as health:
+        handle = compile_model(compiled, ccfg)
+        assert [r.name for r in handle.regions] == ["blocks.0", "loss"]
+        health.attach(handle)
+        for b in (3, 2):
+            batch = _batch(b, seed=b)
+            losses = [model(*batch) for model in (eager, compiled)]
+            for model, loss in zip((eager, compiled), losses, strict=True):
+                model.zero_grad()
+                loss.backward()
+            assert (losses[0] - losses[1]).abs() <= 1e-6
+            for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+                assert (p.grad - q.grad).abs().max() <= 1e-6, name
+            if b == 3:
+                health.end_warmup()
+        stats = health.snapshot()["HybridLM.loss"]
+        assert stats.graphs == 1 and stats.breaks == 0 and stats.recompiles_after_warmup == 0

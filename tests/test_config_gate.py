@@ -36,6 +36,7 @@ BAD_OVERRIDES = [
     # Literal
     ("compile.mode", "blokcs", "expected one of 'none', 'model', 'blocks', got 'blokcs'", None),
     ("optim.decay_shape", "cos", "expected one of 'linear', 'cosine'", None),
+    ("model.moe.dispatch", "dropless", "expected one of 'auto', 'padded', 'grouped'", None),
     # form
     ("train.device", "gpu", "must be auto, cpu, cuda or cuda:N", None),
     # divisibility
@@ -58,6 +59,16 @@ def test_bad_override_names_key_and_command_line(key, raw, why, other):
     assert msg.startswith(f"command line --{key}: ") and why in msg
     if other is not None:
         assert f"{other} (preset 'tiny')" in msg
+
+
+def test_grouped_moe_dispatch_is_gated_with_the_keys_it_needs():
+    """dispatch = grouped forces the dropless GEMMs: expert choice or misaligned widths cannot serve it."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=[("model.moe.routing", "expert_choice"), ("model.moe.dispatch", "grouped")])
+    assert str(err.value).startswith("command line --model.moe.") and "token_choice" in str(err.value)
+    with pytest.raises(ConfigError, match="multiples of 8"):
+        load_config("tiny", overrides=[("model.moe.expert_hidden", "100"), ("model.moe.dispatch", "grouped")])
+    load_config("tiny", overrides=[("model.moe.dispatch", "grouped")])  # token choice, 128 wide: fine
 
 
 def test_bad_toml_values_name_file_and_line(tmp_path):

@@ -7,7 +7,15 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from megacpp.model.hints import collect_param_hints, reduced_buffers
-from megacpp.model.moe import MoE, MoEConfig, dispatch_slots, expert_capacity, token_choice_route
+from megacpp.model.moe import (
+    MoE,
+    MoEConfig,
+    dispatch_slots,
+    expert_capacity,
+    grouped_expert_rows,
+    padded_expert_rows,
+    token_choice_route,
+)
 
 D = 8
 # float64 reference comparisons: a few ulps of ~1e-16 amplified by short sums of O(1) terms.
@@ -320,3 +328,220 @@ def test_tier3_compiles_fullgraph_inductor():
     # Forward only: a cold Inductor compile of forward+backward costs ~15 s on a 2-core CPU.
     m = make_moe(seed=14, dtype=torch.float32, capacity_factor=1.0)
     compile_and_check(m, torch.randn(2, 6, D), backend="inductor", backward=False)
+
+
+# ---------------------------------------------------------------- grouped (dropless) dispatch
+
+# Unit roundoff of fp32 (round to nearest).
+U32 = 2.0**-24
+
+
+def _exact_operands(shape: tuple[int, ...], gen: torch.Generator, high: int = 2) -> torch.Tensor:
+    """Small integers in [-high, high]: products and sums of a few thousand of them are exact in fp32."""
+    return torch.randint(-high, high + 1, shape, generator=gen).float()
+
+
+def _routes(b: int, t: int, k: int, n_exp: int, gen: torch.Generator, unused: int | None = None) -> torch.Tensor:
+    """(b, t, k) distinct experts per token, as top-k picks are; `unused` is an expert nobody picks."""
+    pool = [e for e in range(n_exp) if e != unused]
+    picks = torch.stack([torch.randperm(len(pool), generator=gen)[:k] for _ in range(b * t)])
+    return torch.tensor(pool)[picks].view(b, t, k)
+
+
+@pytest.mark.parametrize(("b", "t", "k", "n_exp", "unused"), [(2, 9, 2, 4, None), (3, 7, 3, 5, 2), (1, 13, 1, 6, 0)])
+def test_tier1_grouped_rows_and_grads_equal_padded_with_exact_operands(b, t, k, n_exp, unused):
+    """Every (token, slot) row and the gradients of x, w_up and w_down are bitwise those of the padded
+    dispatch when nothing overflows (capacity t). Operands and the upstream gradient are small integers,
+    so every GEMM product and partial sum (< 2^20 here) is exact in fp32 whatever the kernels' blocking:
+    any difference is the dispatch's (sorting, group ends, un-permutation, an expert with no tokens)."""
+    d, hidden = 16, 32
+    gen = torch.Generator().manual_seed(b * 100 + n_exp)
+    x0, up0, down0 = (_exact_operands(s, gen) for s in ((b, t, d), (n_exp, d, hidden), (n_exp, hidden, d)))
+    expert_idx = _routes(b, t, k, n_exp, gen, unused)
+    upstream = _exact_operands((b, t, k, d), gen)
+    results = []
+    for grouped in (False, True):
+        x, up, down = (a.clone().requires_grad_() for a in (x0, up0, down0))
+        if grouped:
+            rows, counts = grouped_expert_rows(x, expert_idx, up, down, torch.float32)
+        else:
+            rows, keep, counts = padded_expert_rows(x, expert_idx, up, down, capacity=t)
+            assert bool(keep.all())
+        (rows * upstream).sum().backward()
+        results.append((rows.detach(), counts, x.grad, up.grad, down.grad))
+    for padded, grouped in zip(*results, strict=True):
+        assert torch.equal(padded, grouped)
+    if unused is not None:
+        assert int(results[1][1][unused]) == 0
+
+
+def test_tier1_grouped_moe_output_equals_padded_with_exact_expert_operands():
+    """The whole block (router, dispatch, fp32 combine, shared expert) gives bitwise the padded output
+    when nothing overflows: expert weights and inputs are small integers, so the expert rows are exact
+    in both dispatches and the rest of the forward is the same code on the same values."""
+    outputs, stats = [], []
+    for dispatch in ("padded", "grouped"):
+        m = make_moe(seed=21, dtype=torch.float32, n_experts=4, top_k=2, expert_hidden=16, dispatch=dispatch)
+        m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+        with torch.no_grad():
+            m.w_up.copy_(_exact_operands(m.w_up.shape, torch.Generator().manual_seed(1)))
+            m.w_down.copy_(_exact_operands(m.w_down.shape, torch.Generator().manual_seed(2)))
+        x = _exact_operands((2, 11, D), torch.Generator().manual_seed(3))
+        outputs.append(m(x))
+        stats.append((m.tokens_per_expert.clone(), m.overflow.clone()))
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(stats[0][0], stats[1][0]) and int(stats[0][1]) == int(stats[1][1]) == 0
+
+
+def _expert_rows_error_bound(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound (float64) on |fp32 output - exact output| of the routed experts' combined output,
+    from the standard dot-product bound |fl(a.b) - a.b| <= gamma_K sum|a_i b_i|, gamma_K = K u / (1 - K u),
+    carried through relu^2 and the down projection; plus one rounding per combine op."""
+    d, hidden = m.d_model, m.cfg.expert_hidden
+    gamma = lambda n: n * U32 / (1 - n * U32)  # noqa: E731
+    x64 = x.double().reshape(-1, d)
+    scores = m.router_scores(x).reshape(-1, m.cfg.n_experts)
+    idx, weights = token_choice_route(scores, m.expert_bias, m.cfg.top_k)
+    bound = torch.zeros_like(x64)
+    for slot in range(m.cfg.top_k):
+        up, down = m.w_up.double()[idx[:, slot]], m.w_down.double()[idx[:, slot]]  # (n, d, h), (n, h, d)
+        h_abs = torch.einsum("nd,ndh->nh", x64.abs(), up.abs())
+        h_err = gamma(d) * h_abs
+        a_abs = (h_abs + h_err).square()
+        a_err = 2 * h_abs * h_err + h_err.square() + U32 * a_abs
+        y_abs = torch.einsum("nh,nhd->nd", a_abs, down.abs())
+        y_err = gamma(hidden) * y_abs + torch.einsum("nh,nhd->nd", a_err, down.abs())
+        w = weights[:, slot : slot + 1].double()
+        bound += w * (y_err + 2 * (m.cfg.top_k + 1) * U32 * y_abs)
+    return bound.view_as(x)
+
+
+def test_tier3_grouped_moe_matches_padded_within_derived_gemm_bound():
+    """Random fp32 values, nothing overflowing: the two dispatches differ only in how their GEMMs block
+    the sums (bmm over padded slots vs one mm per expert group), so each is within the derived forward
+    error bound of the exact result and they are within twice that bound of each other."""
+    x = torch.randn(3, 37, 16, generator=torch.Generator().manual_seed(4))
+    outputs = {}
+    for dispatch in ("padded", "grouped"):
+        torch.manual_seed(5)
+        m = MoE(16, MoEConfig(n_experts=16, top_k=2, expert_hidden=64, dispatch=dispatch), 0)
+        m.cfg.capacity_factor = no_overflow_factor(m.cfg)
+        with torch.no_grad():
+            m.w_down.normal_(std=0.3)
+        outputs[dispatch] = m(x)
+        assert int(m.overflow) == 0
+    bound = _expert_rows_error_bound(m, x)
+    diff = (outputs["padded"] - outputs["grouped"]).double().abs()
+    assert bool((diff <= 2 * bound).all()), (diff - 2 * bound).max()
+
+
+def test_tier1_grouped_drops_nothing_and_ignores_capacity():
+    """Where the padded dispatch overflows and drops, the grouped one keeps every assignment: overflow 0,
+    the same tokens_per_expert, and an output that does not depend on capacity_factor at all."""
+    x = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(6))
+    runs = {}
+    for dispatch, factor in (("padded", 0.25), ("grouped", 0.25), ("grouped", 8.0)):
+        m = make_moe(seed=7, dtype=torch.float32, dispatch=dispatch, capacity_factor=factor)
+        runs[dispatch, factor] = (m(x), m.tokens_per_expert.clone(), int(m.overflow))
+    assert runs["padded", 0.25][2] > 0
+    assert runs["grouped", 0.25][2] == runs["grouped", 8.0][2] == 0
+    assert torch.equal(runs["grouped", 0.25][1], runs["padded", 0.25][1])
+    assert torch.equal(runs["grouped", 0.25][0], runs["grouped", 8.0][0])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_tier2_grouped_rerun_identical_outputs_stats_and_grads(autocast):
+    """Two runs of the grouped dispatch (fp32, and bf16 operands under autocast as on the GPU) give bitwise
+    the same outputs, statistics and gradients: every row move is an index_copy to unique rows."""
+    m = make_moe(seed=8, dtype=torch.float32, dispatch="grouped")
+    x = torch.randn(3, 10, D, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for _ in range(2):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(x)
+        y.square().sum().backward()
+        runs.append((y, m.tokens_per_expert.clone(), [p.grad.clone() for p in m.parameters()]))
+    (y0, t0, g0), (y1, t1, g1) = runs
+    assert torch.equal(y0, y1) and torch.equal(t0, t1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+def test_tier1_grouped_operands_stay_bf16_under_autocast():
+    """Under bf16 autocast both grouped GEMMs get bf16 operands: the hidden activation is h * h in bf16
+    (relu(h).square() would become pow, which autocast runs in fp32)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GroupedOperands(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default:
+                self.dtypes.append((args[0].dtype, args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    m = make_moe(seed=10, dtype=torch.float32, dispatch="grouped")
+    with torch.autocast("cpu", dtype=torch.bfloat16), GroupedOperands() as seen:
+        y = m(torch.randn(2, 5, D))
+    assert seen.dtypes == [(torch.bfloat16, torch.bfloat16)] * 2
+    assert y.dtype == torch.float32
+
+
+def test_tier3_grouped_compiles_fullgraph_without_recompiles_as_routing_shifts():
+    """bf16 autocast (the GPU configuration; grouped_mm's compile-time shape function takes bf16 only),
+    aot_eager, fullgraph, batch axis dynamic: routing moves every call (bias) and the batch size changes,
+    yet one graph serves all calls, with no break and no recompile. The statistics are exact; outputs
+    match eager to 1e-2 relative: the same bf16 GEMMs, whose rows round to bf16 (eps 2^-8 = 3.9e-3),
+    may accumulate in another order in the traced graph."""
+    m = make_moe(seed=11, dtype=torch.float32, dispatch="grouped")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(12)
+    loads = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, b in enumerate((3, 2, 4, 3)):
+            with torch.no_grad():
+                m.expert_bias.copy_(torch.randn(4, generator=gen, dtype=torch.float64))
+            x = torch.randn(b, 10, D, generator=gen, requires_grad=True)
+            if i == 0:
+                torch._dynamo.mark_dynamic(x, 0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = compiled(x)
+                stats = m.tokens_per_expert.clone()
+                reference = m(x)
+            y.square().sum().backward()
+            assert torch.equal(stats, m.tokens_per_expert) and int(m.overflow) == 0
+            torch.testing.assert_close(y, reference, atol=1e-2, rtol=1e-2)
+            loads.append(stats)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(counters["graph_break"]) == 0
+    assert any(not torch.equal(loads[0], load) for load in loads[1:]), "routing never shifted"
+
+
+def test_tier1_auto_dispatch_is_padded_on_cpu():
+    """auto takes the grouped GEMMs only on CUDA under bf16 autocast: on CPU it is the padded reference
+    (it overflows and drops), with or without autocast."""
+    m = make_moe(seed=13, dtype=torch.float32, capacity_factor=0.25)
+    assert m.cfg.dispatch == "auto" and m.grouped_possible
+    x = torch.randn(2, 12, D)
+    assert m.grouped_dtype(x) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m.grouped_dtype(x) is None
+    m(x)
+    assert int(m.overflow) > 0
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({"routing": "expert_choice"}, "token_choice"),
+    ({"expert_hidden": 20}, "multiples of 8"),
+    ({"dispatch": "dropless"}, "dispatch must be one of"),
+])
+def test_tier1_grouped_dispatch_refuses_what_it_cannot_serve(overrides, why):
+    fields = {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "dispatch": "grouped", **overrides}
+    with pytest.raises(ValueError, match=why):
+        MoE(16, MoEConfig(**fields), 0)
+    if fields["dispatch"] == "grouped":  # auto falls back to padded instead
+        assert not MoE(16, MoEConfig(**{**fields, "dispatch": "auto"}), 0).grouped_possible

@@ -206,3 +206,62 @@ def test_tier1_rejects_vectors_and_bad_group_settings() -> None:
         Muon([nn.Parameter(torch.randn(10, 4))], split_sizes=(4, 4))
     with pytest.raises(ValueError, match="lr scaling"):
         Muon([nn.Parameter(torch.randn(10, 4))], lr_scaling="spectral")
+
+
+def test_tier1_matrix_by_matrix_stages_equal_the_stacked_arithmetic() -> None:
+    """The elementwise stages run matrix by matrix (no stacked copies of gradients, buffers and weights)
+    and reproduce, bit for bit, the same formulas on the stacked bucket: momentum (EMA, Nesterov) with
+    bf16 buffers, then variance-reduction product, cautious decay and the step. Elementwise ops give
+    each element the same operations on the same values either way."""
+    from megacpp.optim.muon import BucketPlan, apply_update, momentum_updates, variance_scale
+    from megacpp.optim.orthogonalize import POLAR_EXPRESS
+
+    gen = torch.Generator().manual_seed(11)
+    n, shape = 3, (2, 24, 40)
+    grads = [torch.randn(shape, generator=gen) for _ in range(n)]
+    buffers = [torch.randn(shape, generator=gen).bfloat16() for _ in range(n)]
+    momentum = torch.tensor(0.95, dtype=torch.float64)
+    stacked_grad, stacked_buf = torch.stack(grads), torch.stack(buffers).float()
+    expected_buf = stacked_buf.lerp(stacked_grad, (1 - momentum).float())
+    expected_update = stacked_grad.lerp(expected_buf, momentum.float())
+    updates = momentum_updates(grads, buffers, momentum, nesterov=True)
+    assert torch.equal(torch.stack(updates), expected_update)
+    assert torch.equal(torch.stack(buffers), expected_buf.bfloat16())
+
+    params = [torch.randn(shape, generator=gen) for _ in range(n)]
+    ortho = torch.randn(n, *shape, generator=gen).bfloat16()
+    second = [torch.rand(2, 1, 40, generator=gen) for _ in range(n)]
+    beta2 = torch.tensor(0.95, dtype=torch.float64)
+    lr, wd = torch.tensor(0.02, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+    plan = BucketPlan(None, 1.3, True, True, True, POLAR_EXPRESS, "polar_express", 1e-6)
+    stacked_param = torch.stack(params)
+    scale = variance_scale(ortho.float(), [s.clone() for s in second], beta2)
+    update = ortho.float() * scale
+    keep = (1 - lr * wd).float()
+    keep = 1 + (keep - 1) * (update * stacked_param > 0)
+    expected = torch.addcmul(stacked_param * keep, update, -(lr * plan.lr_ratio).float())
+    apply_update(params, ortho, lr, wd, plan, scale)
+    assert torch.equal(torch.stack(params), expected)
+
+
+def test_tier1_bucket_of_matrices_steps_like_each_matrix_alone() -> None:
+    """A bucket stacks its same-shape matrices and orthogonalizes them with one bmm chain; each matrix
+    gets bitwise the update it gets as a bucket of its own (one matrix per group). Bitwise on CPU, where
+    every matrix of a batch goes through the same GEMM kernel as a batch of one; a GPU library may pick
+    another kernel for another batch size (a bf16-rounding difference, not tested here)."""
+    gen = torch.Generator().manual_seed(12)
+    shapes = [(24, 40)] * 3 + [(2, 40, 24)] * 2
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    alone = _clone(params)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    together = Muon(params, weight_decay=0.1)
+    separate = Muon([{"params": [p]} for p in alone], weight_decay=0.1)
+    assert len(together.buckets()) == 0  # no gradients yet
+    for step_grads in grads:
+        for p, q, g in zip(params, alone, step_grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        assert len(together.buckets()) == 2 and len(separate.buckets()) == len(shapes)
+        together.step()
+        separate.step()
+    for p, q in zip(params, alone, strict=True):
+        assert torch.equal(p, q)

@@ -170,3 +170,20 @@ def test_schedule_without_decay_steps_stays_stable_to_the_end() -> None:
     sched = WarmupStableDecay.from_config(OptimConfig(decay_frac=0.2), total_steps=2)
     assert sched.decay_steps == 0
     assert [sched.multiplier(step) for step in range(4)] == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(("setting", "device", "model_compiled", "compiled"), [
+    ("auto", "cpu", True, False), ("auto", "cuda", True, True), ("auto", "cuda", False, False),
+    (True, "cpu", False, True), (False, "cuda", True, False),
+])
+def test_tier1_compile_step_auto_compiles_on_cuda_only(setting, device, model_compiled, compiled) -> None:
+    """optim.compile_step = "auto" (the default) compiles the optimizer step where the parameters are on
+    CUDA and the model is compiled, and keeps the eager reference step elsewhere; true and false are
+    obeyed as given."""
+    from megacpp.optim.stack import resolve_compile_step
+
+    assert OptimConfig().compile_step == "auto"
+    assert resolve_compile_step(setting, torch.device(device), model_compiled) is compiled
+    if device == "cpu":
+        stack = build_optimizers(_model(), OptimConfig(compile_step=setting), total_steps=10, log=None)
+        assert all(opt.compile_step is compiled for opt in stack.optimizers)

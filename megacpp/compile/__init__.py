@@ -22,6 +22,7 @@ from megacpp.compile.logs import LogClassifier, LogKind
 from megacpp.compile.policy import PolicyError, apply_policy
 from megacpp.compile.regions import (
     CompiledModel,
+    Region,
     compile_model,
     disable_unless,
     fallback_sites,
@@ -34,7 +35,7 @@ from megacpp.compile.versions import GATES, parse_version, supports, torch_versi
 __all__ = [
     "GATES", "CacheError", "CacheStatus", "CompileConfig", "CompileHealth", "CompileHealthError",
     "CompileStatus", "CompiledModel", "HealthBounds", "LogClassifier", "LogKind", "MutatedScalarError",
-    "PolicyError", "apply_env", "apply_policy", "assert_no_mutated_scalars", "bounds_for", "compile_model",
+    "PolicyError", "Region", "apply_env", "apply_policy", "assert_no_mutated_scalars", "bounds_for", "compile_model",
     "compile_report", "describe_cache_dirs", "disable_unless", "export_cache",
     "fallback_sites", "find_mutated_scalars", "mark_batch_dynamic",
     "forbid_recompiles", "import_cache", "parse_version", "prepare_compile", "process_group_timeout",

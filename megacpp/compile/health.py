@@ -183,9 +183,9 @@ class CompileHealth:
     def attach(self, compiled: CompiledModel) -> None:
         """Name the callsites of a compiled model after its region classes."""
         self._compiled.append(compiled)
-        for _, module in compiled.regions:
-            code = type(module).forward.__code__
-            label = f"{type(module).__qualname__}.forward"
+        for region in compiled.regions:
+            code = getattr(type(region.module), region.method).__code__
+            label = f"{type(region.module).__qualname__}.{region.method}"
             self._labels[(code.co_filename, code.co_firstlineno)] = label
             self._callsite(label, code.co_filename).modules += 1
 

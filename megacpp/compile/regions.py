@@ -5,6 +5,10 @@ Each region's ``forward`` is replaced, on the instance, by ``torch.compile(forwa
 the batch-marking hook below (and FSDP2's hooks) run eagerly, and state_dict keys are unchanged.
 Blocks of one class share one code object, hence one Dynamo cache: identical blocks reuse one graph,
 and each distinct variant (mixer type, engram on/off) is one more cache entry under the recompile cap.
+
+``blocks`` mode also compiles the methods a model names in its ``head_regions`` class attribute (the
+hybrid's ``loss``: final norm, LM head, soft-cap, cross-entropy, MTP heads) as one region each,
+replaced on the instance like ``forward``; the code between the regions stays eager.
 """
 from __future__ import annotations
 
@@ -27,14 +31,34 @@ F = TypeVar("F", bound=Callable[..., Any])
 _fallback_sites: Counter[str] = Counter()
 
 
+@dataclass(frozen=True)
+class Region:
+    """One compiled region: the method `method` of `module`, replaced on the instance."""
+
+    name: str  # "blocks.3", "loss", "" for the whole model
+    module: nn.Module
+    method: str = "forward"
+
+
+class _MethodMarking:
+    """Batch marking of a compiled method's inputs during warmup; `remove` ends it (the handle
+    interface that `CompiledModel.end_warmup` calls, like a removed forward pre-hook)."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def remove(self) -> None:
+        self.active = False
+
+
 @dataclass
 class CompiledModel:
     """Handle returned by `compile_model`: the (same) model, its compiled regions and warmup state."""
 
     model: nn.Module
     mode: str
-    regions: list[tuple[str, nn.Module]] = field(default_factory=list)
-    _hooks: list[RemovableHandle] = field(default_factory=list, repr=False)
+    regions: list[Region] = field(default_factory=list)
+    _hooks: list[RemovableHandle | _MethodMarking] = field(default_factory=list, repr=False)
 
     @property
     def warming_up(self) -> bool:
@@ -73,18 +97,35 @@ def _mark_batch_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     mark_batch_dynamic(*(t for t in tensors if t.size(0) == batch))
 
 
-def _compile_forward(module: nn.Module, cfg: CompileConfig) -> None:
-    if "forward" in vars(module):
-        raise RuntimeError(f"{type(module).__qualname__}.forward is already replaced (compiled twice?)")
-    module.forward = torch.compile(module.forward, backend=cfg.backend, fullgraph=cfg.fullgraph)
+def _compile_region(region: Region, cfg: CompileConfig, handle: CompiledModel) -> None:
+    module, method = region.module, region.method
+    if method in vars(module):
+        raise RuntimeError(f"{type(module).__qualname__}.{method} is already replaced (compiled twice?)")
+    compiled = torch.compile(getattr(module, method), backend=cfg.backend, fullgraph=cfg.fullgraph)
+    if method == "forward" or not cfg.dynamic_batch:
+        setattr(module, method, compiled)
+        if method == "forward" and cfg.dynamic_batch:
+            handle._hooks.append(module.register_forward_pre_hook(_mark_batch_hook, with_kwargs=True))
+        return
+    # A method has no pre-hooks: a plain wrapper marks its inputs, outside the compiled code.
+    marking = _MethodMarking()
+    handle._hooks.append(marking)
+
+    def region_call(*args: Any, **kwargs: Any) -> Any:
+        if marking.active:
+            _mark_batch_hook(module, args, kwargs)
+        return compiled(*args, **kwargs)
+
+    setattr(module, method, region_call)
 
 
 def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
     """Compile `model` in place per ``cfg.mode`` and return a handle; applies the policy first.
 
-    ``blocks`` compiles each module of ``model.blocks`` (an ``nn.ModuleList``); ``model`` compiles the
-    whole forward; ``none`` compiles nothing. With ``cfg.dynamic_batch`` the batch axis of every
-    region's inputs is marked dynamic until `CompiledModel.end_warmup` is called.
+    ``blocks`` compiles each module of ``model.blocks`` (an ``nn.ModuleList``) and each method the
+    model names in ``head_regions``; ``model`` compiles the whole forward; ``none`` compiles nothing.
+    With ``cfg.dynamic_batch`` the batch axis of every region's inputs is marked dynamic until
+    `CompiledModel.end_warmup` is called.
     """
     apply_policy(cfg)
     handle = CompiledModel(model, cfg.mode)
@@ -94,13 +135,12 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise ValueError("compile mode 'blocks' needs a non-empty nn.ModuleList at model.blocks")
-        handle.regions = [(f"blocks.{i}", block) for i, block in enumerate(blocks)]
+        handle.regions = [Region(f"blocks.{i}", block) for i, block in enumerate(blocks)]
+        handle.regions += [Region(name, model, name) for name in getattr(model, "head_regions", ())]
     else:
-        handle.regions = [("", model)]
-    for _, module in handle.regions:
-        _compile_forward(module, cfg)
-        if cfg.dynamic_batch:
-            handle._hooks.append(module.register_forward_pre_hook(_mark_batch_hook, with_kwargs=True))
+        handle.regions = [Region("", model)]
+    for region in handle.regions:
+        _compile_region(region, cfg, handle)
     return handle
 
 

@@ -3,8 +3,9 @@
 It has what matters to compile: ``model.blocks`` (an ``nn.ModuleList`` of residual blocks with
 ``kind``, ``norm``, ``mixer``, ``engram``), one mixer class per pattern symbol (A attention with
 document masking, M and R pure-PyTorch scans that reset at document starts, E a top-k MoE with static
-dense dispatch and routing statistics in non-persistent buffers, F a relu^2 MLP), ``doc_ids`` and a
-loss when ``targets`` are given. Its numerics are not the real mixers'; its compile surface is.
+dense dispatch and routing statistics in non-persistent buffers, F a relu^2 MLP), ``doc_ids``, and a
+loss when ``targets`` are given, computed by a ``loss`` method named in ``head_regions`` as the
+hybrid's is. Its numerics are not the real mixers'; its compile surface is.
 """
 from __future__ import annotations
 
@@ -123,6 +124,8 @@ class Block(nn.Module):
 
 
 class StandInLM(nn.Module):
+    head_regions = ("loss",)  # as HybridLM: `blocks` mode compiles the loss head as a region of its own
+
     def __init__(self, pattern: str = "AMERF", vocab: int = 64, d_model: int = 32) -> None:
         super().__init__()
         self.tok_embed = nn.Embedding(vocab, d_model)
@@ -136,10 +139,12 @@ class StandInLM(nn.Module):
         x = self.tok_embed(idx)
         for block in self.blocks:
             x = block(x, doc_ids)
-        logits = self.lm_head(self.norm_f(x))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.lm_head(self.norm_f(x))
+        return self.loss(x, targets, doc_ids)
+
+    def loss(self, h: Tensor, targets: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        return F.cross_entropy(self.lm_head(self.norm_f(h)).float().flatten(0, 1), targets.flatten())
 
 
 def build_standin(pattern: str = "AMERF", vocab: int = 64, d_model: int = 32) -> StandInLM:

@@ -127,6 +127,11 @@ GATES: dict[str, Gate] = {
         "torch.distributed.distributed_c10d._set_pg_timeout: tighten a process group's timeout once "
         "compilation is over (private, the only way; without it the long init timeout stays)",
     ),
+    "grouped_mm": Gate(
+        "2.11",
+        "torch.nn.functional.grouped_mm (MoE's dropless grouped dispatch; without it token choice keeps the "
+        "padded dispatch). Used on 2.11 (H200) and 2.13 (CPU); earlier releases were not checked",
+    ),
     "custom_op": Gate(
         "2.4",
         "torch.library.custom_op + register_fake + register_autograd: an opaque kernel stays one "

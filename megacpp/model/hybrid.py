@@ -9,7 +9,7 @@ Initialisation, per parameter kind:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,10 @@ class MTPHead(nn.Module):
 
 
 class HybridLM(nn.Module):
+    # Methods that `blocks` compile mode compiles as regions of their own besides the blocks
+    # (megacpp.compile.regions): the head's large (b, t, vocab) intermediates fuse there.
+    head_regions: ClassVar[tuple[str, ...]] = ("loss",)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -127,10 +131,14 @@ class HybridLM(nn.Module):
         Targets equal to -1 are ignored.
         """
         h = self.hidden(idx, doc_ids)
-        logits = self.logits(h)
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            return self.logits(h)
+        return self.loss(h, targets, doc_ids)
+
+    def loss(self, h: Tensor, targets: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """The training loss from the last hidden state: final norm, LM head, soft-cap, cross-entropy,
+        plus the weighted loss of the MTP heads. One compiled region in ``blocks`` mode (`head_regions`)."""
+        loss = F.cross_entropy(self.logits(h).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         if len(self.mtp) > 0:
             loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, doc_ids)
         return loss

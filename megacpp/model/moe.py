@@ -7,6 +7,12 @@ static sequence length), so shapes follow the input shape and the batch axis may
 assignments past capacity are dropped in token order within their sequence and counted. Rows never
 compete for slots, so a row's output does not depend on the rest of the batch.
 
+Token choice has two dispatches of the routed rows to the experts (``MoEConfig.dispatch``): padded
+(above; the reference and the CPU path) and grouped (dropless: the b*t*k routed rows sorted by expert
+and run through one grouped GEMM per projection, nothing dropped; the CUDA path under bf16 autocast).
+When nothing overflows the padded capacity the two compute the same rows: bitwise where the GEMMs are
+exact, otherwise up to their summation order.
+
 Expert choice (experimental): each expert picks its top-capacity tokens of each sequence. It looks
 at future tokens, so it is not causal and `forward_step` does not reproduce `forward`.
 
@@ -22,10 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.compile.versions import supports
 from megacpp.model.hints import ParamHint
 
 Routing = Literal["token_choice", "expert_choice"]
 ROUTINGS = get_args(Routing)
+Dispatch = Literal["auto", "padded", "grouped"]
+DISPATCHES = get_args(Dispatch)
+# grouped_mm wants 16-byte-aligned leading strides: rows of d_model and expert_hidden elements must be
+# a multiple of 16 bytes for every operand dtype it takes (bf16/fp16: 8 elements, fp32: 4).
+GROUPED_ALIGNMENT = 8
 
 
 @dataclass
@@ -37,6 +49,9 @@ class MoEConfig:
     capacity_factor: float = 1.25
     routing: Routing = "token_choice"
     bias_update_rate: float = 1e-3
+    # Token choice only. padded: static per-sequence capacity, overflow dropped (the reference, the CPU
+    # path); grouped: dropless grouped GEMMs; auto: grouped on CUDA under bf16 autocast, padded otherwise.
+    dispatch: Dispatch = "auto"
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -76,6 +91,83 @@ def dispatch_slots(expert_idx: Tensor, n_experts: int, capacity: int) -> tuple[T
     return dest, keep, one_hot.sum(dim=(0, 1))
 
 
+def batched_experts(expert_in: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """(E, C, d) -> (E, C, d): all experts as two batched matmuls, relu^2 in between."""
+    return torch.bmm(F.relu(torch.bmm(expert_in, w_up)).square(), w_down)
+
+
+def padded_expert_rows(
+    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, capacity: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every (token, slot) assignment's expert output through the padded static-capacity buffer.
+
+    x (b, t, d); expert_idx (b, t, k); w_up (E, d, h); w_down (E, h, d). Returns rows (b, t, k, d) (a
+    dropped assignment's row holds whatever expert row its clamped index reads: mask it with keep),
+    keep (b, t, k) bool and tokens_per_expert (E,) counted before capacity."""
+    b, t, k = expert_idx.shape
+    d, n_exp = x.shape[-1], w_up.shape[0]
+    dest, keep, counts = dispatch_slots(expert_idx.reshape(b, t * k), n_exp, capacity)
+    dest = dest.reshape(-1)
+    # Destinations are unique except the trash row, so the copy (and its gather backward) is
+    # deterministic for every row that is used.
+    x_rep = x.unsqueeze(2).expand(b, t, k, d).reshape(b * t * k, d)
+    buf = x.new_zeros(n_exp * b * capacity + 1, d).index_copy(0, dest, x_rep)
+    out = batched_experts(buf[:-1].view(n_exp, b * capacity, d), w_up, w_down).view(n_exp * b * capacity, d)
+    # Gather per (token, slot); the caller sums over k in a fixed order: no float scatter-add.
+    rows = out.index_select(0, dest.clamp(max=n_exp * b * capacity - 1)).view(b, t, k, d)
+    return rows, keep.view(b, t, k), counts
+
+
+def grouped_expert_rows(
+    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Every (token, slot) assignment's expert output, dropless, as two grouped GEMMs in `dtype`.
+
+    Same arguments and rows as `padded_expert_rows` (nothing is dropped, so no keep mask); rows come
+    back in `dtype`. The b*t*k routed rows are put in expert order (a stable sort: within an expert,
+    (row, token, slot) order), each projection is one grouped GEMM over the experts' contiguous row
+    ranges, and the rows go back to (token, slot) order. Every move is an ``index_copy`` to unique
+    destinations, so forward and backward (gathers) are deterministic. The number of rows is static;
+    the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing."""
+    b, t, k = expert_idx.shape
+    d, n_exp = x.shape[-1], w_up.shape[0]
+    n = b * t * k
+    flat = expert_idx.reshape(n)
+    order = torch.argsort(flat, stable=True)  # sorted position -> routed row
+    arange = torch.arange(n, device=flat.device)
+    position = torch.empty_like(order).index_copy_(0, order, arange)  # routed row -> sorted position
+    counts = (flat.unsqueeze(-1) == torch.arange(n_exp, device=flat.device)).sum(dim=0)
+    offs = counts.cumsum(dim=0).to(torch.int32)
+    x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
+    x_sorted = x_rep.new_zeros(n, d).index_copy(0, position, x_rep)
+    hidden = F.relu(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
+    # h * h, not square(): under autocast square() becomes pow, which autocast runs in fp32, and
+    # grouped_mm takes no fp32 operand next to bf16 weights.
+    out_sorted = F.grouped_mm(hidden * hidden, w_down.to(dtype), offs=offs)
+    rows = out_sorted.new_zeros(n, d).index_copy(0, order, out_sorted)
+    return rows.view(b, t, k, d), counts
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matmuls on x run in: the autocast dtype when autocast is on for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def grouped_dispatch_problem(d_model: int, cfg: MoEConfig) -> str:
+    """Why the grouped dispatch cannot serve this configuration ("" when it can)."""
+    if cfg.routing != "token_choice":
+        return f"it serves token_choice routing, not {cfg.routing!r}"
+    if not supports("grouped_mm"):
+        return "this torch has no torch.nn.functional.grouped_mm"
+    misaligned = {name: size for name, size in (("d_model", d_model), ("expert_hidden", cfg.expert_hidden))
+                  if size % GROUPED_ALIGNMENT}
+    if misaligned:
+        return f"grouped_mm needs 16-byte-aligned rows: {misaligned} must be multiples of {GROUPED_ALIGNMENT}"
+    return ""
+
+
 class MoE(nn.Module):
     """Mixture-of-experts FFN mixer (pattern symbol E); relu^2 experts, optional shared expert."""
 
@@ -93,6 +185,12 @@ class MoE(nn.Module):
             raise ValueError(f"MoEConfig.routing must be one of {ROUTINGS}, got {cfg.routing!r}")
         if not 1 <= cfg.top_k <= cfg.n_experts:
             raise ValueError(f"MoEConfig.top_k={cfg.top_k} must be in [1, n_experts={cfg.n_experts}]")
+        if cfg.dispatch not in DISPATCHES:
+            raise ValueError(f"MoEConfig.dispatch must be one of {DISPATCHES}, got {cfg.dispatch!r}")
+        problem = grouped_dispatch_problem(d_model, cfg)
+        if cfg.dispatch == "grouped" and problem:
+            raise ValueError(f"MoEConfig.dispatch='grouped' is not possible: {problem}")
+        self.grouped_possible = not problem
         self.d_model = d_model
         self.cfg = cfg
         self.layer_idx = layer_idx
@@ -147,28 +245,34 @@ class MoE(nn.Module):
             y = y + self.shared_down(F.relu(self.shared_up(x)).square()).to(y.dtype)
         return y.to(x.dtype)
 
-    def _experts(self, expert_in: Tensor) -> Tensor:
-        """(E, C, d) -> (E, C, d): all experts as two batched matmuls."""
-        return torch.bmm(F.relu(torch.bmm(expert_in, self.w_up)).square(), self.w_down)
+    def grouped_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The dtype of the grouped dispatch for input x, or None for the padded one.
+
+        auto takes the grouped GEMMs only where they are the fast path: CUDA with bf16 operands (fp32
+        operands fall back to a per-expert loop with a host sync)."""
+        if self.cfg.dispatch == "padded":
+            return None
+        if self.cfg.dispatch == "grouped":
+            return compute_dtype(x)
+        if self.grouped_possible and x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16:
+            return torch.bfloat16
+        return None
 
     def _token_choice(self, x: Tensor, scores: Tensor) -> Tensor:
-        b, t, d = x.shape
-        k, n_exp = self.cfg.top_k, self.cfg.n_experts
-        cap = self.capacity(t)
+        t, k = x.shape[1], self.cfg.top_k
         expert_idx, weights = token_choice_route(scores, self.expert_bias, k)  # (b, t, k)
-        dest, keep, counts = dispatch_slots(expert_idx.reshape(b, t * k), n_exp, cap)
+        dtype = self.grouped_dtype(x)
+        if dtype is None:
+            rows, keep, counts = padded_expert_rows(x, expert_idx, self.w_up, self.w_down, self.capacity(t))
+            combine = torch.where(keep, weights, torch.zeros_like(weights))
+            self.overflow.copy_((~keep).sum())
+        else:
+            rows, counts = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype)
+            combine = weights
+            self.overflow.zero_()  # dropless
         self.tokens_per_expert.copy_(counts)
-        self.overflow.copy_((~keep).sum())
-        dest = dest.reshape(-1)
-        # Destinations are unique except the trash row, so the copy (and its gather backward) is
-        # deterministic for every row that is used.
-        x_rep = x.unsqueeze(2).expand(b, t, k, d).reshape(b * t * k, d)
-        buf = x.new_zeros(n_exp * b * cap + 1, d).index_copy(0, dest, x_rep)
-        out = self._experts(buf[:-1].view(n_exp, b * cap, d)).view(n_exp * b * cap, d)
-        # Gather per (token, slot), then sum over k in a fixed order: no float scatter-add.
-        gathered = out.index_select(0, dest.clamp(max=n_exp * b * cap - 1)).view(b, t, k, d)
-        combine = torch.where(keep.view(b, t, k), weights, torch.zeros_like(weights))
-        return (gathered.to(combine.dtype) * combine.unsqueeze(-1)).sum(dim=2)
+        # Weighted sum over k in a fixed order, in the router's precision (at least fp32).
+        return (rows.to(combine.dtype) * combine.unsqueeze(-1)).sum(dim=2)
 
     def _expert_choice(self, x: Tensor, scores: Tensor) -> Tensor:
         b, t, d = x.shape
@@ -186,7 +290,7 @@ class MoE(nn.Module):
         # Per-expert loops: indices are unique within one expert, so gathers, index_adds and their
         # backwards never race on a row, and experts are summed in a fixed order.
         expert_in = torch.stack([x_flat.index_select(0, token_idx[e]) for e in range(n_exp)])
-        out = self._experts(expert_in).to(gate_w.dtype) * gate_w
+        out = batched_experts(expert_in, self.w_up, self.w_down).to(gate_w.dtype) * gate_w
         y = x_flat.new_zeros(b * t, d, dtype=gate_w.dtype)
         for e in range(n_exp):
             y.index_add_(0, token_idx[e], out[e])

@@ -53,6 +53,8 @@ class OptimConfig:
     final_lr_frac: float = 0.0
 
     # Step execution
-    compile_step: bool = False  # compile each optimizer's whole step into one graph (opt-in)
+    # Compile each optimizer's whole step into one graph: true, false, or auto (compiled when the
+    # parameters are on CUDA, where the fused graph is the fast path; eager elsewhere).
+    compile_step: bool | Literal["auto"] = "auto"
     compile_backend: CompileBackend = "inductor"
     grad_clip_norm: float = 1.0  # 0 = off

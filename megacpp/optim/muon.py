@@ -10,7 +10,8 @@ ratio is the per-shape lr scaling ("original" or "match_rms_adamw", torch.optim.
 Weight decay uses the unscaled lr, as torch.optim.Muon does.
 
 Parameters of one group with equal shape form a bucket that is stacked and orthogonalized as one
-batch (one bmm chain instead of one per matrix). The update is three pure stages on lists of plain
+batch (one bmm chain instead of one per matrix); the elementwise stages run matrix by matrix, so only
+the bf16 input of the orthogonalization is stacked. The update is three pure stages on lists of plain
 tensors: `momentum_update` (elementwise), `orthogonal_update` (whole matrices) and `apply_update`
 (elementwise). A sharded optimizer (megacpp.distributed.muon) runs the elementwise stages on each rank's
 rows and only moves the orthogonalization to where whole matrices are.
@@ -66,11 +67,13 @@ class BucketPlan(NamedTuple):
     eps: float
 
 
-def variance_reduce(update: Tensor, second_moments: list[Tensor], beta2: Tensor) -> Tensor:
-    """Damp rows (tall) or columns (otherwise) with a large running mean square, like AdamW does
-    per element, then restore each matrix's Frobenius norm so the lr scaling keeps its meaning.
+def variance_scale(update: Tensor, second_moments: list[Tensor], beta2: Tensor) -> Tensor:
+    """Variance reduction's multiplier of `update`: damp rows (tall) or columns (otherwise) with a large
+    running mean square, like AdamW does per element, then restore each matrix's Frobenius norm so the
+    lr scaling keeps its meaning.
 
     update: (n, ..., A, B) fp32; second_moments: n fp32 buffers of second_moment_shape, updated in place.
+    Returns (n, ..., A, 1) for tall matrices, else (n, ..., 1, B).
     """
     rows, cols = update.shape[-2:]
     mean_sq = update.square().mean(dim=-1 if rows > cols else -2, keepdim=True)
@@ -81,41 +84,69 @@ def variance_reduce(update: Tensor, second_moments: list[Tensor], beta2: Tensor)
     before = mean_sq.sum(dim=(-2, -1), keepdim=True)
     after = (mean_sq * scale.square()).sum(dim=(-2, -1), keepdim=True)
     kept = (before / after.clamp_min(1e-30)).sqrt()
-    return update * (scale * kept)
+    return scale * kept
+
+
+def variance_reduce(update: Tensor, second_moments: list[Tensor], beta2: Tensor) -> Tensor:
+    """`update` (n, ..., A, B) fp32 times its `variance_scale`."""
+    return update * variance_scale(update, second_moments, beta2)
+
+
+def momentum_updates(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool
+                     ) -> list[Tensor]:
+    """Advance the momentum buffers in place; return each matrix's fp32 update to orthogonalize.
+
+    Matrix by matrix: the math is elementwise, so this is the stacked arithmetic bit for bit, without
+    stacked copies of the gradients and buffers (a compiled step fuses each matrix's ops into one pass)."""
+    weight = (1 - momentum).float()
+    updates = []
+    for grad, buf in zip(grads, momentum_buffers, strict=True):
+        grad = grad.float()
+        new = torch.lerp(buf.float(), grad, weight)
+        buf.copy_(new)  # rounds to the buffer dtype
+        updates.append(torch.lerp(grad, new, momentum.float()) if nesterov else new)
+    return updates
 
 
 def momentum_update(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool
                     ) -> Tensor:
-    """Advance the momentum buffers in place; return the stacked fp32 update to orthogonalize."""
-    grad = torch.stack(grads).float()
-    buf = torch.stack(momentum_buffers).float().lerp_(grad, (1 - momentum).float())
-    torch._foreach_copy_(momentum_buffers, list(buf.unbind(0)))  # rounds to the buffer dtype
-    return grad.lerp_(buf, momentum.float()) if nesterov else buf
+    """`momentum_updates`, stacked: the (n, ..., A, B) fp32 update of the bucket."""
+    return torch.stack(momentum_updates(grads, momentum_buffers, momentum, nesterov))
+
+
+def orthogonalize_bucket(update: Tensor, plan: BucketPlan) -> Tensor:
+    """Stacked whole matrices (n, ..., A, B) -> their bf16 orthogonalization under the bucket's plan."""
+    return orthogonalize(
+        update, len(plan.coefficients), plan.split_sizes, plan.coefficients,
+        normalization=plan.normalization, eps=plan.eps,
+    )
 
 
 def orthogonal_update(update: Tensor, second_moments: list[Tensor], beta2: Tensor, plan: BucketPlan) -> Tensor:
     """Stacked whole matrices (n, ..., A, B) -> their fp32 orthogonalized (and variance-reduced) update."""
-    ortho = orthogonalize(
-        update, len(plan.coefficients), plan.split_sizes, plan.coefficients,
-        normalization=plan.normalization, eps=plan.eps,
-    ).float()
+    ortho = orthogonalize_bucket(update, plan).float()
     if plan.variance_reduction:
         ortho = variance_reduce(ortho, second_moments, beta2)
     return ortho
 
 
-def apply_update(params: list[Tensor], ortho: Tensor, lr: Tensor, weight_decay: Tensor, plan: BucketPlan) -> None:
-    """Cautious decoupled weight decay and the scaled step, in place."""
-    param = torch.stack(params)
+def apply_update(params: list[Tensor], ortho: Tensor, lr: Tensor, weight_decay: Tensor, plan: BucketPlan,
+                 scale: Tensor | None = None) -> None:
+    """Cautious decoupled weight decay and the scaled step, in place, matrix by matrix (elementwise:
+    no stacked copy of the parameters). ortho: (n, ..., A, B), one update per parameter, taken in fp32
+    and multiplied by `scale` (a `variance_scale`) when given."""
     keep = (1 - lr * weight_decay).float()
-    if plan.cautious:
-        # Gate on the orthogonalized update, not the raw gradient: decay only where the step already
-        # moves the weight toward zero (the raw-gradient gate diverged in the seed's deep runs).
-        # keep - 1 is exact (Sterbenz), so entries get exactly `keep` or exactly 1.0; cheaper than where.
-        keep = 1 + (keep - 1) * (ortho * param > 0)
-    # addcmul rounds once (p + s * o), as torch's add_(o, alpha=-s) does.
-    new = torch.addcmul(param * keep, ortho, -(lr * plan.lr_ratio).float())
-    torch._foreach_copy_(params, list(new.unbind(0)))
+    step = -(lr * plan.lr_ratio).float()
+    for i, (param, update) in enumerate(zip(params, ortho.unbind(0), strict=True)):
+        update = update.float() if scale is None else update.float() * scale[i]
+        factor = keep
+        if plan.cautious:
+            # Gate on the orthogonalized update, not the raw gradient: decay only where the step already
+            # moves the weight toward zero (the raw-gradient gate diverged in the seed's deep runs).
+            # keep - 1 is exact (Sterbenz), so entries get exactly `keep` or exactly 1.0; cheaper than where.
+            factor = 1 + (keep - 1) * (update * param > 0)
+        # addcmul rounds once (p + s * o), as torch's add_(o, alpha=-s) does.
+        param.copy_(torch.addcmul(param * factor, update, step))
 
 
 def muon_update(
@@ -130,8 +161,14 @@ def muon_update(
     plan: BucketPlan,
 ) -> None:
     """One Muon step for a bucket of same-shape whole matrices; updates params and buffers in place."""
-    update = momentum_update(grads, momentum_buffers, momentum, plan.nesterov)
-    apply_update(params, orthogonal_update(update, second_moments, beta2, plan), lr, weight_decay, plan)
+    updates = momentum_updates(grads, momentum_buffers, momentum, plan.nesterov)
+    # Stacked in bf16, the dtype orthogonalize starts with: the values of stacking in fp32 and casting
+    # after, at half the bytes.
+    ortho = orthogonalize_bucket(torch.stack([u.to(torch.bfloat16) for u in updates]), plan)
+    # orthogonal_update's arithmetic, with the variance-reduction product left to each matrix's
+    # elementwise pass: no stacked fp32 copy of the update.
+    scale = variance_scale(ortho.float(), second_moments, beta2) if plan.variance_reduction else None
+    apply_update(params, ortho, lr, weight_decay, plan, scale)
 
 
 def muon_step(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:

@@ -114,15 +114,18 @@ def build_optimizers(
     *,
     hints: Mapping[str, ParamHint] | None = None,
     make_muon: Callable[..., Muon] = Muon,
+    model_compiled: bool = True,
 ) -> OptimizerStack:
     """Route `model`'s parameters (megacpp.optim.groups) and build the stack; logs the routing table.
 
     total_steps sizes the *_frac schedule phases; without it only warmup_steps/decay_steps apply
     (a decay phase then needs total_steps and raises). ``hints`` are the modules' parameter hints,
     collected before any wrapping (default: collected now). ``make_muon`` builds the Muon part (the
-    sharded variant under FSDP2).
+    sharded variant under FSDP2). ``model_compiled=False`` (compile mode none) keeps an "auto"
+    ``compile_step`` eager: nothing of such a run is compiled.
     """
     routes = route_parameters(model, cfg, hints)
+    compile_step = resolve_compile_step(cfg.compile_step, next(model.parameters()).device, model_compiled)
     muon_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     adamw_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in routes:
@@ -148,12 +151,12 @@ def build_optimizers(
         nesterov=cfg.nesterov, beta2=cfg.variance_beta2, variance_reduction=cfg.variance_reduction,
         cautious_weight_decay=cfg.cautious_weight_decay, coefficients=cfg.ns_coefficients,
         ns_steps=cfg.ns_steps, lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype,
-        compile_step=cfg.compile_step, compile_backend=cfg.compile_backend,
+        compile_step=compile_step, compile_backend=cfg.compile_backend,
     ) if muon_groups else None
     adamw = AdamW(
         list(adamw_groups.values()), lr=cfg.adamw_lr, betas=(cfg.adamw_beta1, cfg.adamw_beta2), eps=cfg.adamw_eps,
         weight_decay=cfg.adamw_weight_decay,
-        compile_step=cfg.compile_step, compile_backend=cfg.compile_backend,
+        compile_step=compile_step, compile_backend=cfg.compile_backend,
     ) if adamw_groups else None
     optimizers = [opt for opt in (muon, adamw) if opt is not None]
     scheduler = LRScheduler(optimizers, WarmupStableDecay.from_config(cfg, total_steps))
@@ -164,6 +167,16 @@ def build_optimizers(
         log(table)
     return OptimizerStack(muon, adamw, scheduler, clip, cfg.grad_clip_norm, table,
                           names={r.param: r.name for r in routes})
+
+
+def resolve_compile_step(setting: bool | str, device: torch.device, model_compiled: bool = True) -> bool:
+    """`OptimConfig.compile_step` for parameters on `device`: "auto" compiles on CUDA, where one fused
+    graph replaces hundreds of launches and passes over memory (the eager step is memory-bound), unless
+    the model itself runs uncompiled; it stays eager elsewhere (on a CPU the compile costs more than it
+    saves, and the eager step is the reference). True and False are obeyed as given."""
+    if setting == "auto":
+        return device.type == "cuda" and model_compiled
+    return bool(setting)
 
 
 def _group_name(route_group: str, decay: bool) -> str:

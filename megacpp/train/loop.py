@@ -232,7 +232,8 @@ class Trainer:
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
         self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      make_muon=ShardedMuon if ctx.distributed else Muon)
+                                      make_muon=ShardedMuon if ctx.distributed else Muon,
+                                      model_compiled=cfg.compile.mode != "none")
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
@@ -578,7 +579,8 @@ class Trainer:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
-            f"({self.cfg.compile.backend}); {self.ctx.describe()}",
+            f"({self.cfg.compile.backend}), optimizer step "
+            f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}",
             self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
