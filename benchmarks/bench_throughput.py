@@ -1,16 +1,25 @@
-"""Issue 12's E, head and optimizer pieces on one GPU, in one process, at `small`'s shapes:
+"""Issue 12's table on one GPU, in one process, at `small`'s shapes, with the anchors measured in the
+same run:
 
-- E sublayer (MoE mixer, compiled, bf16 autocast) forward+backward: padded dispatch against the
-  dropless grouped dispatch (target <= 3.3 ms; 4.6-4.9 before);
-- the loss head (final norm, LM head, soft-cap, cross-entropy; `HybridLM.loss`) forward+backward,
-  eager against its compiled `blocks`-mode region, with the peak memory each adds (target <= 11 ms);
-- the optimizer step (grad clip, Muon, AdamW, schedule) on `small`'s parameter set: eager
-  (`optim.compile_step=false`) against the default on CUDA (compiled) (target <= 15 ms; 34 before).
+- anchors: nanochat d12 (dense, 286M; a fetched copy at .peers/nanochat) whole compiled training steps
+  and its optimizer step alone; mamba_ssm 2.3.2's Mamba3 SISO layer (Triton; a source copy at
+  .peers/mamba_src with its `__init__.py` emptied so only the kernels load), forward + backward;
+- each sublayer kind of `small` as one compiled block (the default fast paths; M also with the
+  reference scan), forward + backward;
+- E sublayer: padded dispatch against the dropless grouped dispatch;
+- the loss head (final norm, LM head, soft-cap, cross-entropy; `HybridLM.loss`), eager against its
+  compiled `blocks`-mode region, with the peak memory each adds;
+- the optimizer step (grad clip, Muon, AdamW, schedule) on `small`'s parameter set, eager against
+  compiled (the default on CUDA);
+- whole `small` steps and the dense stand-in (`model.pattern=AF` on `small`): compiled blocks, random
+  tokens in 512-token documents, forward + backward + optimizer, tokens/s and MFU (megacpp's FLOP
+  convention, `megacpp.model.params.flops_per_token`, for both).
 
-    python benchmarks/bench_throughput.py
-    python benchmarks/bench_throughput.py --quick --threads 1   # CPU smoke run at toy sizes
+    PYTHONPATH=.:.peers/nanochat:.peers/mamba_src python benchmarks/bench_throughput.py
+    python benchmarks/bench_throughput.py --quick --threads 1 --parts experts,head,optimizer   # CPU smoke run
 
-CUDA events, warmup then the median of --iters runs (benchmarks/timing.py). Prints a table last.
+CUDA events, warmup then the median of --iters runs (benchmarks/timing.py). Every row prints when it
+is measured (a call cut by its time limit keeps them); the table with megacpp/anchor ratios prints last.
 """
 from __future__ import annotations
 
@@ -25,12 +34,24 @@ from timing import fwd_bwd_ms, median_ms  # benchmarks/timing.py (the script's d
 
 from megacpp.compile import CompileConfig, apply_policy, compile_model
 from megacpp.compile.versions import supports
-from megacpp.model.hybrid import HybridLM
+from megacpp.model.hints import run_after_optimizer_step
+from megacpp.model.hybrid import Block, HybridLM
 from megacpp.model.moe import MoE
+from megacpp.model.params import flops_per_token
 from megacpp.optim import build_optimizers
 from megacpp.presets import preset
+from megacpp.train.runtime import peak_flops
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
+
+# row -> the anchor row it is compared with in the table
+ANCHOR_OF = {
+    "M sublayer fwd+bwd, compiled": "mamba_ssm Mamba3 SISO fwd+bwd, eager",
+    "M sublayer fwd+bwd, compiled, reference scan": "mamba_ssm Mamba3 SISO fwd+bwd, eager",
+    "optimizer step, compiled (auto's choice on CUDA)": "nanochat d12 optimizer step",
+    "small whole step": "nanochat d12 whole step",
+    "dense (small, pattern AF) whole step": "nanochat d12 whole step",
+}
 
 
 def graph_breaks() -> int:
@@ -132,6 +153,121 @@ def bench_optimizer(model: HybridLM, cfg, iters: int, dev: torch.device) -> list
     return rows
 
 
+def documents(b: int, t: int, dev: torch.device) -> torch.Tensor:
+    return (torch.arange(t, device=dev) // 512).expand(b, t).contiguous()
+
+
+def emit(rows: list[Row], row: Row) -> None:
+    rows.append(row)
+    peak = "" if row[2] is None else f", peak +{row[2]:.1f} GiB"
+    print(f"{row[0]}: {row[1]:.2f} ms{peak} {row[3]}", flush=True)
+
+
+def bench_nanochat(b: int, t: int, iters: int, dev: torch.device) -> list[Row]:
+    try:
+        from nanochat.gpt import GPT, GPTConfig
+    except ImportError as exc:
+        print(f"nanochat anchor unavailable ({exc}): put a copy at .peers/nanochat on PYTHONPATH", flush=True)
+        return []
+    rows: list[Row] = []
+    with torch.device("meta"):
+        model = GPT(GPTConfig(sequence_len=t))
+    model.to_empty(device=dev)
+    model.init_weights()
+    opt = model.setup_optimizer()
+    compiled = torch.compile(model, dynamic=False)
+    idx, targets = (torch.randint(0, 32768, (b, t), device=dev) for _ in range(2))
+
+    def train_step() -> None:
+        compiled(idx, targets).backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+    train_step()
+    compiled(idx, targets).backward()
+    emit(rows, ("nanochat d12 optimizer step", median_ms(opt.step, dev, 3, iters), None, ""))
+    model.zero_grad(set_to_none=True)
+    ms = median_ms(train_step, dev, 3, iters)
+    emit(rows, ("nanochat d12 whole step", ms, None, f"{b * t / ms * 1e3:,.0f} tok/s, compiled, SDPA"))
+    return rows
+
+
+def bench_mamba_ssm(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[Row]:
+    try:
+        from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
+    except ImportError as exc:
+        print(f"mamba_ssm anchor unavailable ({exc}): put its source at .peers/mamba_src", flush=True)
+        return []
+    from megacpp.model.mamba3_convert import config_to_mamba_ssm
+
+    rows: list[Row] = []
+    torch.manual_seed(0)
+    peer = PeerMamba3(**config_to_mamba_ssm(cfg.model.d_model, cfg.model.mamba), device=dev)
+    x = torch.randn(b, t, cfg.model.d_model, device=dev, requires_grad=True)
+    emit(rows, ("mamba_ssm Mamba3 SISO fwd+bwd, eager", fwd_bwd_ms(peer, x, warmup=3, iters=iters), None,
+                "no document resets"))
+    return rows
+
+
+def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[Row]:
+    """Each kind of `small`'s sublayers as one compiled block, as `blocks` mode compiles it."""
+    rows: list[Row] = []
+    x = torch.randn(b, t, cfg.model.d_model, device=dev, requires_grad=True)
+    docs = documents(b, t, dev)
+    cases = [("A", "", {}), ("M", "", {}), ("M", ", reference scan", {"scan_kernel": "reference"}),
+             ("E", "", {}), ("F", "", {}), ("R", "", {})]
+    for kind, label, mamba_changes in cases:
+        model_cfg = dataclasses.replace(cfg.model, mamba=dataclasses.replace(cfg.model.mamba, **mamba_changes))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = Block(kind, model_cfg, 1).to(dev)
+        with torch.no_grad():  # zero-initialised output projections would time GEMMs on zeros
+            for p in block.parameters():
+                if p.dim() >= 2 and not p.any():
+                    p.normal_(std=0.02)
+        try:
+            ms = fwd_bwd_ms(torch.compile(block), x, docs, iters=iters)
+        except Exception as exc:  # one failing variant must not hide the others
+            print(f"{kind}{label}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        emit(rows, (f"{kind} sublayer fwd+bwd, compiled{label}", ms, None, "512-token documents"))
+    return rows
+
+
+def bench_whole_steps(cfg, label: str, b: int, t: int, iters: int, dev: torch.device) -> list[Row]:
+    """Whole training steps (forward, backward, optimizer) of the model compiled as training does."""
+    rows: list[Row] = []
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = HybridLM(cfg.model).to(dev)
+    compiled = compile_model(model, cfg.compile)
+    stack = build_optimizers(model, cfg.optim, total_steps=10_000, log=None)
+    idx, targets = (torch.randint(0, cfg.model.vocab_size, (b, t), device=dev) for _ in range(2))
+    docs = documents(b, t, dev)
+
+    def train_step() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = compiled(idx, targets, docs)
+        loss.backward()
+        stack.step()
+        run_after_optimizer_step(model)
+        stack.zero_grad()
+
+    t0 = time.perf_counter()
+    train_step()
+    torch.cuda.synchronize(dev)
+    first = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats(dev)
+    ms = median_ms(train_step, dev, 3, iters)
+    tok_s = b * t / ms * 1e3
+    peak = peak_flops(dev)
+    mfu = f"MFU {100 * tok_s * flops_per_token(model, t) / peak:.1f}%" if peak else "MFU n/a"
+    emit(rows, (f"{label} whole step", ms, None,
+                f"{tok_s:,.0f} tok/s, {mfu}, first step {first:.0f} s, "
+                f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB"))
+    return rows
+
+
 def shrink(cfg) -> None:
     """`small`'s block mix at toy widths, for a CPU smoke run of the script."""
     m = cfg.model
@@ -147,7 +283,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--parts", default="experts,head,optimizer")
+    p.add_argument("--parts", default="anchors,sublayers,experts,head,optimizer,small,dense",
+                   help="comma-separated subset of the default")
     p.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run of the script)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     args = p.parse_args()
@@ -162,6 +299,12 @@ def main() -> None:
         args.batch, args.seq, args.iters = 2, 64, 3
     parts = args.parts.split(",")
     rows: list[Row] = []
+    if "anchors" in parts:
+        rows += bench_nanochat(args.batch, args.seq, args.iters, dev)
+        torch.cuda.empty_cache()
+        rows += bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev)
+    if "sublayers" in parts:
+        rows += bench_sublayers(cfg, args.batch, args.seq, args.iters, dev)
     if "experts" in parts:
         rows += bench_experts(cfg, cfg.model.d_model, args.batch, args.seq, args.iters, dev)
     if "head" in parts or "optimizer" in parts:
@@ -173,14 +316,25 @@ def main() -> None:
         if "head" in parts:
             rows += bench_head(model, args.batch, args.seq, args.iters, dev)
         print(f"small: {n_params / 1e6:.1f}M parameters", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if "small" in parts:
+        rows += bench_whole_steps(cfg, "small", args.batch, args.seq, args.iters, dev)
+        torch.cuda.empty_cache()
+    if "dense" in parts:
+        dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pattern="AF"))
+        rows += bench_whole_steps(dense, "dense (small, pattern AF)", args.batch, args.seq, args.iters, dev)
 
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     sizes = "toy sizes (--quick)" if args.quick else "small's shapes"
     print(f"\n{where} | torch {torch.__version__} | {sizes}, B{args.batch} x T{args.seq}, bf16 autocast | "
           f"grouped_mm gate: {supports('grouped_mm')}")
-    print(f"{'what':<66}{'ms':>9}{'peak +GiB':>11}  note")
+    ms_of = {name: ms for name, ms, _, _ in rows}
+    print(f"{'what':<66}{'ms':>9}{'vs anchor':>11}{'peak +GiB':>11}  note")
     for name, ms, peak, note in rows:
-        print(f"{name:<66}{ms:>9.2f}{'' if peak is None else f'{peak:.2f}':>11}  {note}")
+        anchor = ms_of.get(ANCHOR_OF.get(name, ""))
+        ratio = f"{ms / anchor:.2f}x" if anchor else ""
+        print(f"{name:<66}{ms:>9.2f}{ratio:>11}{'' if peak is None else f'{peak:.2f}':>11}  {note}")
 
 
 if __name__ == "__main__":
