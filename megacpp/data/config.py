@@ -24,8 +24,9 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class DataConfig:
-    # Directories and/or files; None = the C++ headers shipped inside torch (torch/include).
-    corpus: list[str] | None = None
+    # Directories and/or files; None = the C++ headers shipped inside torch (torch/include); "system" =
+    # every C/C++ include tree on the machine (megacpp.data.system_corpus).
+    corpus: list[str] | Literal["system"] | None = None
     extensions: list[str] = field(default_factory=lambda: list(SOURCE_EXTENSIONS))
     text_extensions: list[str] = field(default_factory=lambda: [".txt"])
     jsonl_extensions: list[str] = field(default_factory=lambda: [".jsonl"])
