@@ -44,6 +44,9 @@ class DataConfig:
     cache_dir: str | None = None  # None = default_cache_dir()
     seq_len: int = 256
     shuffle_seed: int = 0
+    # Training bytes the "xz given train" baseline may use as context (xz -9e runs at ~2 MB/s on one
+    # core, twice over this sample, once per shard cache); None = the whole training split.
+    baseline_context_bytes: int | None = 8 * 2**20
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

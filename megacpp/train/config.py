@@ -7,6 +7,9 @@ from dataclasses import dataclass
 @dataclass
 class TrainConfig:
     steps: int = 600
+    # Wall-clock budget of the run in seconds (0 = none): the run evaluates, saves and ends at the first
+    # step that finishes past it. Compilation, evaluations and checkpoints count; a resume continues it.
+    time_budget_s: float = 0.0
     batch_size: int = 16
     grad_accum: int = 1
     seed: int = 1337
