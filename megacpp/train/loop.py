@@ -448,7 +448,7 @@ class Trainer:
                     compile_record = self._end_warmup(after_warmup)
                     warm = True
                 self.losses.append(loss)
-                out_of_time = self._out_of_time()
+                out_of_time = self.step < tc.steps and self._out_of_time()  # same step on every rank
                 final = self.step == tc.steps or out_of_time  # log, evaluate and save the last step
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
