@@ -82,14 +82,14 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     if wants_supervisor(cfg):  # CUDA: the training runs (and re-runs, after a warmup OOM) as a child
         return supervise(cfg, args.argv, args.resume)
     from megacpp.train.loop import train
+    from megacpp.train.report import run_summary
 
     child = AutoFitChild.from_env()
     if child is not None and child.micro_batch is not None:  # a retry: the supervisor's choice wins
         cfg.train.micro_batch = child.micro_batch
     result = train(cfg, resume=args.resume, progress=not args.no_progress, autofit=child)
     if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
-        print(f"done: {result.step} steps, validation {result.val_bpb:.3f} bits/byte "
-              f"(unigram entropy {result.unigram_bpb:.3f}); checkpoint {result.checkpoint}")
+        print(run_summary(result))
     return 0
 
 
@@ -115,11 +115,12 @@ def _check_sample_args(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.infer.session import load_session
+    from megacpp.train.report import eval_summary
 
     _check_eval_args(args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
-    bpb = session.evaluate(args.batches)
-    print(f"validation bits per byte: {bpb:.4f}  ({session.checkpoint})")
+    bpb, baselines = session.evaluate(args.batches)
+    print(eval_summary(bpb, baselines, session.checkpoint))
     return 0
 
 
@@ -146,7 +147,7 @@ def cmd_data_prepare(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.train.data_setup import build_data
 
     data = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, "cpu", print)
-    print(f"ready: tokenizer {data.tokenizer_hash[:12]}, unigram entropy {data.unigram_bpb:.3f} bits/byte")
+    print(f"ready: tokenizer {data.tokenizer_hash[:12]}, shards at {data.shards.dir}")
     return 0
 
 

@@ -4,6 +4,9 @@
   embedding, 128 wide, trains in minutes on 2 cores; eager (compiling does not pay on a 2-core CPU).
 - ``small``: one GPU. ``AEMEAEMEAEMR`` at width 768 over 24 sublayers: active compute per token close
   to nanochat's d12 (12 attention + 12 MLP sublayers at width 768).
+- ``dense``: the baseline every hybrid is held against. ``small``'s whole stack (width, attention,
+  FFN, vocabulary, sequence length, optimizer, schedule) with the pattern ``AF``: 12 attention + 12
+  dense MLP sublayers at width 768, about nanochat's d12.
 - ``nam52``: a node of 8 GPUs. 52 sublayers of ``AEMEAEMEAEMR`` (13 A, 13 M, 22 E, 4 R) at width 2048.
 """
 from __future__ import annotations
@@ -51,6 +54,13 @@ def small() -> Config:
     return cfg
 
 
+def dense() -> Config:
+    cfg = small()
+    cfg.model.pattern = "AF"
+    cfg.train.out_dir = "runs/dense"
+    return cfg
+
+
 def nam52() -> Config:
     cfg = Config()
     m = cfg.model
@@ -70,7 +80,7 @@ def nam52() -> Config:
     return cfg
 
 
-PRESETS: dict[str, Callable[[], Config]] = {"tiny": tiny, "small": small, "nam52": nam52}
+PRESETS: dict[str, Callable[[], Config]] = {"tiny": tiny, "small": small, "dense": dense, "nam52": nam52}
 
 
 def preset(name: str) -> Config:

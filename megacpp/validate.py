@@ -170,7 +170,9 @@ RANGES: dict[str, Interval] = {
     "data.vocab_size": Interval(MIN_VOCAB_SIZE),  # 256 byte tokens and the special tokens
     "data.tokenizer_sample_bytes": AT_LEAST_1,
     "data.seq_len": AT_LEAST_1,
+    "data.baseline_context_bytes": AT_LEAST_1,
     "train.steps": AT_LEAST_1,
+    "train.time_budget_s": NON_NEGATIVE,  # 0 = no budget
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum": AT_LEAST_1,
     "train.micro_batch": NON_NEGATIVE,  # 0 = the whole batch_size

@@ -74,7 +74,7 @@ def test_toml_preset_base_and_round_trip(tmp_path):
 
 
 def test_unknown_preset():
-    with pytest.raises(ConfigError, match="available presets: tiny, small, nam52"):
+    with pytest.raises(ConfigError, match="available presets: tiny, small, dense, nam52"):
         preset("huge")
 
 
@@ -82,3 +82,34 @@ def test_presets_are_fresh_copies():
     a = PRESETS["tiny"]()
     a.model.depth = 99
     assert preset("tiny").model.depth != 99
+
+
+def test_dense_preset_is_small_with_attention_and_mlp_only_and_has_the_hand_counted_parameters():
+    """`dense` differs from `small` in the pattern (and run directory) alone, and builds to the count
+    worked out here from the layer shapes (no biases; RMSNorm has one weight per channel; QK-norm has
+    no weights; the LM head is not tied)."""
+    import dataclasses
+
+    import torch
+
+    from megacpp.model.hybrid import HybridLM
+
+    small, dense = dataclasses.asdict(preset("small")), dataclasses.asdict(preset("dense"))
+    differs = {(section, key) for section in small for key in small[section]
+               if small[section][key] != dense[section][key]}
+    assert differs == {("model", "pattern"), ("train", "out_dir")}
+    assert dense["model"]["pattern"] == "AF" and dense["model"]["depth"] == 24
+
+    cfg = preset("dense").model
+    cfg.vocab_size = preset("dense").data.vocab_size
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    assert model.layout == "AF" * 12
+    V, d, hidden = 32768, 768, 3072
+    q_rows, kv_rows = 6 * 128, 2 * 128
+    attention = d * (q_rows + 2 * kv_rows) + q_rows * d  # fused QKV, output projection
+    mlp = d * hidden + hidden * d  # up, down (relu^2)
+    per_pair = attention + mlp + 2 * d  # plus each sublayer's pre-norm
+    expected = 12 * per_pair + V * d + d + d * V  # embedding, final norm, LM head
+    assert expected == 125_848_320
+    assert sum(p.numel() for p in model.parameters()) == expected

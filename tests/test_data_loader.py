@@ -1,4 +1,5 @@
-"""Packed loader: BOS/doc_ids, no document leakage, shifted targets, rank sharding, exact resume, val."""
+"""Packed loader: BOS/doc_ids, no document leakage, shifted targets, independent rows, epoch coverage,
+rank sharding, exact resume, val."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from megacpp.data import DataConfig, PackedLoader, ValLoader, bits_per_byte, prepare_data
+from megacpp.data import DataConfig, LoaderStateError, PackedLoader, ValLoader, bits_per_byte, prepare_data
+from megacpp.data.shards import ShardSet, ShardSplit
 
 B, T = 4, 32
 
@@ -24,6 +26,54 @@ def data(tmp_path_factory):
         cache_dir=str(tmp_path_factory.mktemp("cache")),
     )
     return prepare_data(cfg, progress=False, log=None)
+
+
+@pytest.fixture(scope="module")
+def unique(tmp_path_factory):
+    """Shards whose every non-BOS token is distinct, so a token names its document and position.
+    Mostly short documents (a few per row) and a few long ones (several rows each)."""
+    rng = np.random.default_rng(0)
+    lengths = [*rng.integers(2, 20, size=300), *rng.integers(4 * T, 9 * T, size=6)]
+    rng.shuffle(lengths)
+    splits = {}
+    next_token = 1
+    for name, lens in (("train", lengths), ("val", lengths[:20])):
+        docs = []
+        for n in lens:
+            docs.append(np.r_[0, np.arange(next_token, next_token + n - 1)])
+            next_token += n - 1
+        offsets = np.r_[0, np.cumsum([len(d) for d in docs])].astype(np.int64)
+        splits[name] = ShardSplit(name, np.concatenate(docs).astype(np.int64), offsets,
+                                  np.array([len(d) - 1 for d in docs], dtype=np.int64),
+                                  [f"doc{i}" for i in range(len(docs))])
+    token_bytes = np.ones(next_token, dtype=np.int32)
+    token_bytes[0] = 0
+    return ShardSet(tmp_path_factory.mktemp("unique"), "c" * 32, "t" * 32, 0, next_token, token_bytes, splits, True)
+
+
+def where(split: ShardSplit) -> dict[int, tuple[int, int]]:
+    """Non-BOS token -> (document, position in it)."""
+    out = {}
+    for d in range(split.num_docs):
+        for at in range(1, int(split.offsets[d + 1] - split.offsets[d])):
+            out[int(split.tokens[split.offsets[d] + at])] = (d, at)
+    return out
+
+
+def check_contiguous(split: ShardSplit, row: np.ndarray, pos: dict[int, tuple[int, int]]) -> None:
+    """A row (inputs + last target) is one piece of a document stream: inside a document the positions
+    follow each other, a BOS comes only right after a document's last token (or first in the row) and
+    is followed by that next document's first token."""
+    length = np.diff(split.offsets)
+    for a, b in zip(row[:-1].tolist(), row[1:].tolist(), strict=True):
+        if a and b:
+            (da, pa), (db, pb) = pos[a], pos[b]
+            assert da == db and pb == pa + 1, f"tokens {a} -> {b} do not follow each other in one document"
+        elif a and not b:
+            da, pa = pos[a]
+            assert pa == length[da] - 1, f"a BOS follows token {a}, which is not its document's last"
+        elif b:
+            assert pos[b][1] == 1, f"after a BOS comes token {b}, not a document's first token"
 
 
 def segments(inputs: torch.Tensor, doc_ids: torch.Tensor):
@@ -78,43 +128,75 @@ def test_bos_starts_each_document_and_doc_ids_never_leak(data):
         check_no_leak(shards.splits["val"], shards.bos_id, batch.inputs, batch.doc_ids)
 
 
-def test_targets_are_shifted_inputs_and_rows_continue(data):
+def test_targets_are_shifted_inputs(data):
     loader = PackedLoader(data.shards, B, T)
-    x, y, _ = next(loader)
-    x2, _, _ = next(loader)
-    assert torch.equal(y[:, :-1], x[:, 1:])
-    # Row k+1 starts where row k's targets end: the stream is cut, not skipped.
-    assert torch.equal(y[:-1, -1], x[1:, 0])
-    assert y[-1, -1] == x2[0, 0]
+    for _ in range(3):
+        x, y, _ = next(loader)
+        assert torch.equal(y[:, :-1], x[:, 1:])
 
 
-def test_tier1_rank_sharding_disjoint_and_covering(data):
-    shards, world = data.shards, 2
-    single = PackedLoader(shards, B * world, T, seed=3)
-    ranks = [PackedLoader(shards, B, T, rank=r, world_size=world, seed=3) for r in range(world)]
+def test_tier1_an_epoch_reads_every_window_once_in_independent_rows(unique):
+    """Each row is a contiguous piece of the epoch's document stream (documents end before a BOS and
+    start after it, doc ids step exactly at BOS); over one epoch no token is a target twice and the
+    only tokens left out are the dropped rows (< one global batch) and the stream's last < T tokens.
+    Rows of a batch come from unrelated places: read in stream order (the old loader) every row would
+    continue the row before it, and a long document would fill consecutive rows of one batch. Breaks
+    if rows were read in stream order, overlapped, or crossed an epoch's end."""
+    split, shards = unique.splits["train"], unique
+    pos = where(split)
+    lengths = np.diff(split.offsets)
+    loader = PackedLoader(shards, B, T, seed=11)
+    rows_per_epoch = (split.num_tokens - 1) // T
+    dropped_rows = rows_per_epoch - loader.steps_per_epoch * B
+    assert 0 < dropped_rows < B, "the split must leave a remainder for the rule to be tested"
+    for _epoch in range(2):
+        targets, continued, pairs, long_batches = [], 0, 0, {}
+        for step in range(loader.steps_per_epoch):
+            x, y, ids = next(loader)
+            assert torch.equal(ids[:, 1:] != ids[:, :-1], x[:, 1:] == shards.bos_id)
+            assert torch.equal(ids[:, 0], torch.zeros(B, dtype=torch.int32))
+            for r in range(B):
+                check_contiguous(split, np.r_[x[r].numpy(), y[r, -1].item()], pos)
+                targets += [t for t in y[r].tolist() if t]
+                first = x[r, 0].item()
+                if first and lengths[pos[first][0]] > 2 * T:
+                    long_batches.setdefault(pos[first][0], set()).add(step)
+            for r in range(B - 1):
+                pairs += 1
+                continued += int(y[r, -1] == x[r + 1, 0] != shards.bos_id)
+        assert len(targets) == len(set(targets)), "a token was a target twice in one epoch"
+        missing = len(pos) - len(targets)
+        assert 0 <= missing <= dropped_rows * T + T
+        assert continued < 0.2 * pairs, f"{continued} of {pairs} adjacent rows continue each other"
+        # A long document's windows land in several batches, not in one run of rows.
+        assert long_batches and all(len(steps) >= 3 for steps in long_batches.values())
+    assert loader.epoch == 1 and loader.step == loader.steps_per_epoch
+
+
+def test_tier2_same_seed_same_batches_other_seed_other_order(unique):
+    """Two loaders with one seed give the same batches bit for bit (into the second epoch); another
+    seed deals other rows from the first batch on."""
+    a, b = PackedLoader(unique, B, T, seed=3), PackedLoader(unique, B, T, seed=3)
+    for _ in range(a.steps_per_epoch + 3):
+        assert all(torch.equal(u, v) for u, v in zip(next(a), next(b), strict=True))
+    other, same = PackedLoader(unique, B, T, seed=4), PackedLoader(unique, B, T, seed=3)
+    assert not torch.equal(next(other).inputs, next(same).inputs)
+
+
+def test_tier1_rank_sharding_partitions_the_global_batch(unique):
+    """W ranks x B rows read exactly the rows of one loader of W*B, rank r the block at r*B, across an
+    epoch boundary; the ranks' rows are disjoint (no token a target on two ranks)."""
+    world = 2
+    single = PackedLoader(unique, B * world, T, seed=3)
+    ranks = [PackedLoader(unique, B, T, rank=r, world_size=world, seed=3) for r in range(world)]
     assert all(r.steps_per_epoch == single.steps_per_epoch for r in ranks)
-    stream = []
-    for _ in range(single.steps_per_epoch):
+    for _ in range(single.steps_per_epoch + 2):
         whole = next(single)
         parts = [next(r) for r in ranks]
         for i in range(3):
             assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
-        rows = [tuple(row.tolist()) for p in parts for row in p.inputs]
-        assert len(set(rows)) == len(rows)
-        stream.append(whole.inputs.reshape(-1))
-    # One epoch: every document at most once, all but the dropped tail present.
-    stream = torch.cat(stream).numpy()
-    split = shards.splits["train"]
-    starts = np.flatnonzero(stream == shards.bos_id)
-    seen = []
-    for s in starts:
-        hits = [d for d, at in locate(split, stream[s : s + 8]) if at == 0]
-        assert len(hits) == 1
-        seen.append(hits[0])
-    assert len(set(seen)) == len(seen)
-    tail = split.num_tokens - len(stream)
-    assert 0 <= tail < world * B * T + 1 + int(np.diff(split.offsets).max())
-    assert split.num_docs - len(seen) <= 1 + tail // int(np.diff(split.offsets).min())
+        per_rank = [{t for t in p.targets.flatten().tolist() if t} for p in parts]
+        assert not per_rank[0] & per_rank[1]
 
 
 def test_epochs_reshuffle_document_order(data):
@@ -125,14 +207,15 @@ def test_epochs_reshuffle_document_order(data):
     assert not torch.equal(next(other_seed).inputs, epochs[0][:B])
 
 
-@pytest.mark.parametrize("stop", ["early", "epoch_end", "next_epoch"])
+@pytest.mark.parametrize("stop", ["early", "mid_epoch", "epoch_end", "next_epoch"])
 def test_tier1_resume_gives_identical_batches(data, stop):
     """A loader rebuilt from a JSON round trip of state_dict yields exactly the uninterrupted batches,
     across an epoch boundary. Breaks if the epoch shuffle drew from a global RNG, or if the state
     missed the epoch or the position within it."""
     shards = data.shards
     ref = PackedLoader(shards, B, T, seed=7)
-    k = {"early": 1, "epoch_end": ref.steps_per_epoch, "next_epoch": ref.steps_per_epoch + 2}[stop]
+    k = {"early": 1, "mid_epoch": ref.steps_per_epoch // 2, "epoch_end": ref.steps_per_epoch,
+         "next_epoch": ref.steps_per_epoch + 2}[stop]
     n = 2 * ref.steps_per_epoch + 3  # crosses at least one epoch boundary after resuming
     expected = [next(ref) for _ in range(n)]
     first = PackedLoader(shards, B, T, seed=7)
@@ -180,12 +263,15 @@ def test_another_global_batch_is_refused_unless_allowed(data):
 
 def test_resume_rejects_a_different_stream(data):
     state = PackedLoader(data.shards, B, T).state_dict()
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(LoaderStateError, match="seq_len"):
         PackedLoader(data.shards, B, T * 2).load_state_dict(state)
-    with pytest.raises(ValueError, match="global batch"):
+    with pytest.raises(LoaderStateError, match="global batch"):
         PackedLoader(data.shards, B * 2, T).load_state_dict(state)
-    with pytest.raises(ValueError, match="data_key"):
+    with pytest.raises(LoaderStateError, match="data_key"):
         PackedLoader(data.shards, B, T).load_state_dict({**state, "data_key": "other"})
+    # Version 2 read consecutive stream rows: the same (epoch, step) named other tokens.
+    with pytest.raises(LoaderStateError, match="version 2 != 3"):
+        PackedLoader(data.shards, B, T).load_state_dict({**state, "version": 2})
 
 
 def test_tier2_val_loader_deterministic_with_correct_byte_counts(data):

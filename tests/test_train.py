@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from megacpp.cli import main
+from megacpp.data.baselines import BASELINES_FILE
 from megacpp.train.checkpoint import list_checkpoints
 from megacpp.train.loop import NonFiniteLossError, Trainer
-from tests.helpers import tiny_train_config
+from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics
+from tests.helpers import tiny_train_args, tiny_train_config
 
 
 def _quiet(_msg: str) -> None:
@@ -157,3 +159,46 @@ def test_config_problems_are_reported_before_any_data_work(tmp_path, capsys):
     args = ["train", "--data.seq_len", "9000", f"--data.corpus=[\"{missing}\"]"]
     assert main(args) == 2
     assert "exceeds model.attention.max_seq_len" in capsys.readouterr().err
+
+
+def test_summary_eval_and_metrics_show_the_baselines_beside_validation_bits_per_byte(tmp_path, small_corpus, capsys):
+    """The end-of-run summary, `megacpp eval` and metrics.jsonl carry the three figures cached with the
+    shards (read back from baselines.json here, not from the trainer), and a CPU run says it is a smoke
+    test with the GPU figures beside it."""
+    assert main(tiny_train_args(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2"})) == 0
+    out = capsys.readouterr().out
+    [cache_file] = (tmp_path / "cache").rglob(BASELINES_FILE)
+    figures = json.loads(cache_file.read_text())["baselines"]
+    expected = (f"(baselines on the validation split: unigram {figures['unigram_bpb']:.3f}, "
+                f"xz {figures['xz_bpb']:.3f}, xz given train {figures['xz_given_train_bpb']:.3f})")
+    done = next(line for line in out.splitlines() if line.startswith("done: 2 steps, validation "))
+    assert expected in done
+    assert "note: a CPU run is a smoke test" in out and "on one H200 the `small` preset reaches" in out
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert {k: v for k, v in baselines_of(records).items() if k not in ("step", "kind")} == figures
+    assert {key for key, _, _ in BASELINE_LINES} <= figures.keys()  # every figure has its line in loss.png
+    [val] = [r for r in records if r["kind"] == "val"]
+    assert val["tokens"] == 2 * 4 * 32 and val["elapsed_s"] > 0
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"unigram entropy {figures['unigram_bpb']:.3f}, xz -9e alone {figures['xz_bpb']:.3f}, "
+            f"xz -9e after the whole training split {figures['xz_given_train_bpb']:.3f} bits/byte") in out
+
+
+def test_time_budget_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, small_corpus, capsys):
+    """A budget spent by the first step stops the run there, before train.steps, with the last step's
+    evaluation, checkpoint and sample; the elapsed time is saved and a resume continues from it."""
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "50", "train.time_budget_s": "0.001"})
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "time budget of 0.001 s spent at step 1" in out
+    assert "done: 1 steps (train.time_budget_s spent), validation" in out
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000001"]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("train", "val")] == [(1, "train"), (1, "val")]
+    saved = torch.load(list_checkpoints(tmp_path / "run")[0] / "state.pt", weights_only=True)["elapsed_s"]
+    assert saved >= [r for r in records if r["kind"] == "val"][0]["elapsed_s"] > 0
+    assert main([*args, "--resume"]) == 0
+    resumed = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
+    assert [r["step"] for r in resumed] == [1, 2] and resumed[1]["elapsed_s"] >= saved

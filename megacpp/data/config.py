@@ -24,8 +24,9 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class DataConfig:
-    # Directories and/or files; None = the C++ headers shipped inside torch (torch/include).
-    corpus: list[str] | None = None
+    # Directories and/or files; None = the C++ headers shipped inside torch (torch/include); "system" =
+    # every C/C++ include tree on the machine (megacpp.data.system_corpus).
+    corpus: list[str] | Literal["system"] | None = None
     extensions: list[str] = field(default_factory=lambda: list(SOURCE_EXTENSIONS))
     text_extensions: list[str] = field(default_factory=lambda: [".txt"])
     jsonl_extensions: list[str] = field(default_factory=lambda: [".jsonl"])
@@ -43,6 +44,9 @@ class DataConfig:
     cache_dir: str | None = None  # None = default_cache_dir()
     seq_len: int = 256
     shuffle_seed: int = 0
+    # Training bytes the "xz given train" baseline may use as context (xz -9e runs at ~2 MB/s on one
+    # core, twice over this sample, once per shard cache); None = the whole training split.
+    baseline_context_bytes: int | None = 8 * 2**20
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

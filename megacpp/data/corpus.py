@@ -6,12 +6,13 @@ import json
 import os
 import stat
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from megacpp.data.config import DataConfig
+from megacpp.data.system_corpus import SourceTree, system_trees
 from megacpp.errors import MegacppError
 
 
@@ -43,6 +44,16 @@ class Document:
     split: str  # "train" | "val"
 
 
+@dataclass(frozen=True)
+class SourceStats:
+    """What one tree of a multi-tree corpus contributed."""
+
+    name: str
+    files: int  # files with a corpus name found in it
+    docs: int  # documents kept from it (after filters and dedup against earlier trees)
+    nbytes: int  # their bytes
+
+
 @dataclass
 class Corpus:
     docs: list[Document]
@@ -50,6 +61,8 @@ class Corpus:
     files_seen: int
     skipped: Counter  # reason -> count
     hash: str  # identifies the kept documents, their order and split
+    sources: list[SourceStats] = field(default_factory=list)  # per tree, for data.corpus = "system"
+    unreadable_trees: list[str] = field(default_factory=list)  # trees that exist but cannot be listed
 
     def split(self, name: str) -> list[Document]:
         return [d for d in self.docs if d.split == name]
@@ -61,11 +74,16 @@ class Corpus:
     def summary(self) -> str:
         n_val = sum(d.split == "val" for d in self.docs)
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
-        return (
+        line = (
             f"corpus {self.hash[:12]}: {self.files_seen} files, {len(self.docs)} docs "
             f"(train {len(self.docs) - n_val} / val {n_val}), {self.nbytes / 1e6:.1f} MB; "
             f"skipped {sum(self.skipped.values())}: {skipped}"
         )
+        if not self.sources and not self.unreadable_trees:
+            return line
+        trees = "; ".join(f"{s.name} {s.files} files -> {s.docs} docs {s.nbytes / 1e6:.1f} MB" for s in self.sources)
+        unreadable = f" ({', '.join(self.unreadable_trees)})" if self.unreadable_trees else ""
+        return f"{line}\nsources: {trees}; {len(self.unreadable_trees)} unreadable trees{unreadable}"
 
 
 @dataclass
@@ -103,24 +121,35 @@ class _Filter:
         self.docs.append(Document(source, text, h, len(data), split))
 
 
-def _list_files(root: Path, suffixes: set[str], skipped: Counter) -> list[tuple[str, Path]]:
+def _list_files(
+    root: Path, suffixes: set[str], skipped: Counter, label: str | None = None,
+    skip_dirs: frozenset[Path] = frozenset(), extensionless: bool = False,
+) -> list[tuple[str, Path]]:
     """(label, path) of matching names under root, sorted by relative path; a directory that cannot
-    be listed is counted as `unreadable_dir` instead of ending discovery."""
+    be listed is counted as `unreadable_dir` instead of ending discovery. Labels start with `label`
+    (default: the root's name); directories in `skip_dirs` are not entered."""
+    label = label or root.name
     if not root.is_dir():  # a file named directly (or a special file, rejected when it is read)
-        return [(root.name, root)]
+        return [(label, root)]
 
     def count_unlistable(_exc: OSError) -> None:
         skipped["unreadable_dir"] += 1
 
+    def wanted(name: str) -> bool:
+        ext = os.path.splitext(name)[1].lower()
+        return ext in suffixes or (extensionless and not ext and not name.startswith("."))
+
     found = []
     # os.walk does not follow directory symlinks, so a link cycle cannot loop forever.
-    for dirpath, _, filenames in os.walk(root, onerror=count_unlistable):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=count_unlistable):
+        if skip_dirs:
+            dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in skip_dirs]
         for name in filenames:
-            if os.path.splitext(name)[1].lower() in suffixes:
+            if wanted(name):
                 path = Path(dirpath, name)
                 found.append((path.relative_to(root).as_posix(), path))
     found.sort(key=lambda item: item[0])
-    return [(f"{root.name}/{rel}", path) for rel, path in found]
+    return [(f"{label}/{rel}", path) for rel, path in found]
 
 
 def _open_regular(path: Path) -> BinaryIO | None:
@@ -213,27 +242,66 @@ def _ensure_val(docs: list[Document], val_fraction: float) -> list[Document]:
     return [Document(d.source, d.text, d.hash, d.nbytes, "val") if d is pick else d for d in docs]
 
 
-def discover_corpus(cfg: DataConfig) -> Corpus:
-    """Read, filter, dedup and split the corpus named by `cfg.corpus` (None = torch/include)."""
+def _is_listable(path: Path) -> bool:
+    try:
+        with os.scandir(path):
+            return True
+    except OSError:
+        return False
+
+
+def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filter
+                       ) -> tuple[int, list[SourceStats], list[str]]:
+    """Walk each tree once (trees nested in it are skipped there: they are walked on their own) and
+    account for what each contributed. Only C/C++ extensions: a system tree's .txt or .jsonl files are
+    not code documents."""
+    suffixes = {e.lower() for e in cfg.extensions}
+    files_seen, stats, unreadable = 0, [], []
+    for tree in trees:
+        if not _is_listable(tree.path):
+            unreadable.append(tree.name)
+            continue
+        nested = frozenset(t.path for t in trees if t.path != tree.path and t.path.is_relative_to(tree.path))
+        first_doc = len(flt.docs)
+        files = _list_files(tree.path, suffixes, flt.skipped, tree.name, nested, tree.extensionless)
+        for label, path in files:
+            _read_file(label, path, False, cfg, flt)
+        kept = flt.docs[first_doc:]
+        stats.append(SourceStats(tree.name, len(files), len(kept), sum(d.nbytes for d in kept)))
+        files_seen += len(files)
+    return files_seen, stats, unreadable
+
+
+def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None) -> Corpus:
+    """Read, filter, dedup and split the corpus named by `cfg.corpus` (None = torch/include;
+    "system" = the trees of `system`, by default this machine's: `megacpp.data.system_corpus`)."""
     cfg.validate()
-    # Resolved, so "." still has a name to prefix document sources with.
-    roots = [Path(p).expanduser().resolve() for p in cfg.corpus] if cfg.corpus else [default_corpus_root()]
-    for root in roots:
-        if not root.exists():
-            raise CorpusError(f"corpus path does not exist: {root}")
-    source_ext = {e.lower() for e in cfg.extensions}
-    text_ext = {e.lower() for e in cfg.text_extensions}
-    jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
     flt = _Filter(cfg)
-    files_seen = 0
-    for root in roots:
-        for label, path in _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped):
-            files_seen += 1
-            _read_file(label, path, path.suffix.lower() in jsonl_ext, cfg, flt)
-    docs = _ensure_val(flt.docs, cfg.val_fraction)
-    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs))
-    if files_seen == 0:
+    sources: list[SourceStats] = []
+    unreadable: list[str] = []
+    if cfg.corpus == "system":
+        trees = list(system) if system is not None else system_trees()
+        roots = [t.path for t in trees]
+        files_seen, sources, unreadable = _read_system_trees(trees, cfg, flt)
+        exts = sorted(cfg.extensions)
+    else:
+        # Resolved, so "." still has a name to prefix document sources with.
+        roots = [Path(p).expanduser().resolve() for p in cfg.corpus] if cfg.corpus else [default_corpus_root()]
+        for root in roots:
+            if not root.exists():
+                raise CorpusError(f"corpus path does not exist: {root}")
+        source_ext = {e.lower() for e in cfg.extensions}
+        text_ext = {e.lower() for e in cfg.text_extensions}
+        jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
+        files_seen = 0
+        for root in roots:
+            for label, path in _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped):
+                files_seen += 1
+                _read_file(label, path, path.suffix.lower() in jsonl_ext, cfg, flt)
         exts = sorted(source_ext | text_ext | jsonl_ext)
+    docs = _ensure_val(flt.docs, cfg.val_fraction)
+    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable)
+    if files_seen == 0:
         raise CorpusError(f"no corpus files with extensions {exts} under {[str(r) for r in roots]}")
     if not any(d.split == "train" for d in docs):
         raise CorpusError(

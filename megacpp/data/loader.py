@@ -1,18 +1,24 @@
 """Packed loaders over a shard split: fixed-length rows with BOS-delimited documents and doc ids.
 
-Packing. An epoch's token stream is the split's documents ([BOS, tokens...] each) concatenated in
-the epoch's order. Row k is stream[k*T : k*T + T + 1] (rows overlap by one token, so every token is
-an input once and a target once); inputs = row[:-1], targets = row[1:]. A document that does not
-fit continues at the start of the next row. Targets are never masked: the target of a document's
-last token is the next document's BOS, i.e. the model learns to predict end-of-document.
+Windows. An epoch's token stream is the split's documents ([BOS, tokens...] each) concatenated in
+the epoch's document order. Window k is stream[k*T : k*T + T + 1] (consecutive windows overlap by
+one token, so every token is an input once and a target once); inputs = window[:-1], targets =
+window[1:]. Short documents therefore share a window with their neighbours in the epoch order, and
+a document longer than what is left of a window continues in the next windows; no token is padding.
+Targets are never masked: the target of a document's last token is the next document's BOS, i.e.
+the model learns to predict end-of-document.
 
-Doc ids count documents within a row from 0 and step at each BOS in the inputs. Rows are
-independent sequences, so a document continued from the previous row simply starts the row as id 0.
+Rows. Training does not read the windows in stream order: a second permutation of the epoch, drawn
+right after the document order, deals them out, so the rows of one batch come from unrelated places
+of the split (one long generated header no longer fills a whole batch). Doc ids count documents
+within a row from 0 and step at each BOS in the inputs; a window that continues a document starts
+it as id 0, and nothing outside the row is visible to the model.
 
-Sharding. Global batch g takes rows [g*W*B, (g+1)*W*B); rank r gets the B rows at offset r*B, so
-ranks are disjoint, cover the epoch together, and all have the same number of steps. The rows left
-over at an epoch's end (fewer than W*B) are dropped. The stream depends on the global batch W*B only,
-not on W: a run resumed on another number of ranks with the same global batch reads the same rows.
+Sharding. Global batch g takes dealt rows [g*W*B, (g+1)*W*B); rank r gets the B rows at offset r*B,
+so ranks are disjoint, cover the epoch together, and all have the same number of steps. The rows
+left over at an epoch's end (fewer than W*B, a different random set each epoch) are dropped, and so
+are the last < T tokens of the stream. The deal depends on the global batch W*B only, not on W: a run
+resumed on another number of ranks with the same global batch reads the same rows.
 """
 from __future__ import annotations
 
@@ -27,11 +33,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 from megacpp.data.shards import ShardSet, ShardSplit
 from megacpp.errors import MegacppError
 
-STATE_VERSION = 2  # 2: records the global batch (rows per step over all ranks) instead of the world size
+STATE_VERSION = 3  # 2: records the global batch instead of the world size; 3: rows are dealt in a shuffled order
 
 
 class SplitTooSmallError(MegacppError, ValueError):
     """A split that cannot fill one global batch: training would have nothing to read."""
+
+
+class LoaderStateError(MegacppError, ValueError):
+    """A saved loader position that this loader cannot continue exactly (another stream or format)."""
 
 
 class Batch(NamedTuple):
@@ -73,9 +83,14 @@ class _Stream:
         return np.concatenate(pieces)
 
     def rows(self, first_row: int, n_rows: int, seq_len: int) -> np.ndarray:
-        """(n_rows, seq_len + 1) int64 token rows, row k = stream[k*T : k*T + T + 1]."""
+        """(n_rows, seq_len + 1) int64 consecutive windows, window k = stream[k*T : k*T + T + 1]."""
         seg = self.read(first_row * seq_len, (first_row + n_rows) * seq_len + 1).astype(np.int64)
         return sliding_window_view(seg, seq_len + 1)[::seq_len]
+
+    def windows(self, indices: np.ndarray, seq_len: int) -> np.ndarray:
+        """(len(indices), seq_len + 1) int64: the windows with these numbers, in this order."""
+        return np.stack([self.read(k * seq_len, k * seq_len + seq_len + 1) for k in indices.tolist()]
+                        ).astype(np.int64)
 
 
 class _Packer:
@@ -99,9 +114,9 @@ class _Packer:
         self.global_batch = world_size * batch_size  # rows per step over all ranks
         self.steps_per_epoch = self.rows_per_epoch // self.global_batch
 
-    def _rows(self, stream: _Stream, step: int) -> np.ndarray:
-        first = (step * self.world_size + self.rank) * self.batch_size
-        return stream.rows(first, self.batch_size, self.seq_len)
+    def _first_row(self, step: int) -> int:
+        """Where this rank's rows of global batch `step` start in the epoch's row order."""
+        return (step * self.world_size + self.rank) * self.batch_size
 
     def _doc_ids(self, inputs: np.ndarray) -> np.ndarray:
         ids = np.cumsum(inputs == self.shards.bos_id, axis=1, dtype=np.int32)
@@ -127,6 +142,12 @@ class _Packer:
         )
 
 
+class _Epoch(NamedTuple):
+    number: int
+    stream: _Stream  # the documents in this epoch's order
+    row_order: np.ndarray  # the stream's window numbers in the order they are read
+
+
 class PackedLoader(_Packer):
     """Infinite iterator of training batches, reshuffled every epoch, resumable via state_dict."""
 
@@ -141,15 +162,16 @@ class PackedLoader(_Packer):
         self.seed = seed
         self.epoch = 0
         self.step = 0  # batches already taken in this epoch
-        self._stream: tuple[int, _Stream] | None = None
+        self._epoch_cache: _Epoch | None = None
 
-    def _epoch_stream(self) -> _Stream:
-        if self._stream is None or self._stream[0] != self.epoch:
-            # One permutation per epoch from a generator seeded by (seed, epoch): randomness is
-            # consumed in a fixed order, and a resumed run rebuilds it from (seed, epoch) alone.
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.split.num_docs)
-            self._stream = (self.epoch, _Stream(self.split, order))
-        return self._stream[1]
+    def _current_epoch(self) -> _Epoch:
+        if self._epoch_cache is None or self._epoch_cache.number != self.epoch:
+            # Both permutations come from one generator seeded by (seed, epoch), documents first:
+            # randomness is consumed in a fixed order, and a resumed run rebuilds it from (seed, epoch).
+            rng = np.random.default_rng([self.seed, self.epoch])
+            stream = _Stream(self.split, rng.permutation(self.split.num_docs))
+            self._epoch_cache = _Epoch(self.epoch, stream, rng.permutation(self.rows_per_epoch))
+        return self._epoch_cache
 
     def __iter__(self) -> PackedLoader:
         return self
@@ -157,7 +179,9 @@ class PackedLoader(_Packer):
     def __next__(self) -> Batch:
         if self.step == self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
-        rows = self._rows(self._epoch_stream(), self.step)
+        epoch = self._current_epoch()
+        first = self._first_row(self.step)
+        rows = epoch.stream.windows(epoch.row_order[first : first + self.batch_size], self.seq_len)
         self.step += 1
         inputs, targets = rows[:, :-1], rows[:, 1:]
         return Batch(*self._tensors(inputs, targets, self._doc_ids(inputs)))
@@ -177,21 +201,25 @@ class PackedLoader(_Packer):
         on from the same number of rows consumed in the epoch (rounded down to a whole step).
         """
         mine = self.state_dict()
-        for k in ("version", "data_key", "split", "seq_len", "seed"):
+        if state.get("version") != mine["version"]:
+            raise LoaderStateError(
+                f"loader state version {state.get('version')!r} != {mine['version']}: it was saved by a megacpp "
+                f"that read other rows for the same position; continuing would not be exact (start a new run)")
+        for k in ("data_key", "split", "seq_len", "seed"):
             if state.get(k) != mine[k]:
-                raise ValueError(
+                raise LoaderStateError(
                     f"loader state mismatch: {k} is {state.get(k)!r}, this loader has {mine[k]!r}"
                 )
         step = int(state["step"])
         if state["global_batch"] != self.global_batch:
             if not allow_global_batch_change:
-                raise ValueError(
+                raise LoaderStateError(
                     f"loader state mismatch: global batch (ranks x batch_size) was {state['global_batch']} "
                     f"rows, now {self.global_batch}: the run would read another token stream"
                 )
             step = step * int(state["global_batch"]) // self.global_batch
         if not 0 <= step <= self.steps_per_epoch:
-            raise ValueError(f"loader state step {step} outside [0, {self.steps_per_epoch}]")
+            raise LoaderStateError(f"loader state step {step} outside [0, {self.steps_per_epoch}]")
         self.epoch, self.step = int(state["epoch"]), step
 
 
@@ -224,7 +252,7 @@ class ValLoader(_Packer):
 
     def __iter__(self) -> Iterator[ValBatch]:
         for step in range(self.num_batches):
-            first = (step * self.world_size + self.rank) * self.batch_size
+            first = self._first_row(step)
             real = max(0, min(self.batch_size, self.num_rows - first))
             rows = self._stream.rows(first if real else 0, max(real, 1), self.seq_len)
             # Padding repeats a real row so shapes stay fixed; its targets stand for no bytes.

@@ -1,4 +1,5 @@
-"""One call from config to ready data: discover the corpus, load or train the tokenizer, build shards."""
+"""One call from config to ready data: discover the corpus, load or train the tokenizer, build shards,
+and the validation split's baselines (cached beside the shards)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from megacpp.data.baselines import Baselines, load_or_compute_baselines
 from megacpp.data.config import DataConfig
 from megacpp.data.corpus import Corpus, discover_corpus
 from megacpp.data.shards import ShardSet, build_shards, shard_dir_name
@@ -21,6 +23,7 @@ class PreparedData:
     corpus: Corpus
     tokenizer: CodeTokenizer
     shards: ShardSet
+    baselines: Baselines
 
 
 def tokenizer_cache_path(cfg: DataConfig, corpus: Corpus) -> Path:
@@ -85,7 +88,8 @@ def load_or_train_tokenizer(
 def prepare_data(
     cfg: DataConfig, progress: bool = True, log: Callable[[str], None] | None = print
 ) -> PreparedData:
-    """Discover, tokenize and cache; safe to call from every rank at once (file locks)."""
+    """Discover, tokenize, cache and measure the baselines; safe to call from every rank at once
+    (file locks)."""
     corpus = discover_corpus(cfg)
     if log:
         log(corpus.summary())
@@ -94,4 +98,7 @@ def prepare_data(
     shards = build_shards(corpus, tok, out_dir, progress=progress, log=log)
     if log:
         log(shards.summary())
-    return PreparedData(corpus, tok, shards)
+    baselines = load_or_compute_baselines(corpus, shards, cfg.baseline_context_bytes, log)
+    if log:
+        log(baselines.summary())
+    return PreparedData(corpus, tok, shards, baselines)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megacpp.config import Config, from_dict
-from megacpp.data import CodeTokenizer
+from megacpp.data import Baselines, CodeTokenizer
 from megacpp.errors import UsageError
 from megacpp.infer.generate import generate_tokens, stream_text
 from megacpp.model.hybrid import HybridLM
@@ -52,14 +52,15 @@ class Session:
                                  stop_id={self.tokenizer.bos_id, self.tokenizer.eos_id})
         yield from stream_text(self.tokenizer, tokens)
 
-    def evaluate(self, batches: int) -> float:
+    def evaluate(self, batches: int) -> tuple[float, Baselines]:
+        """Bits per byte on `batches` validation batches, and the baselines of the same split."""
         from megacpp.train.data_setup import build_data
         from megacpp.train.loop import evaluate_bpb
 
         data_cfg = self.config.data
         data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
         data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
-        return evaluate_bpb(self.model, data, self.device, batches)
+        return evaluate_bpb(self.model, data, self.device, batches), data.baselines
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 @dataclass
 class TrainConfig:
     steps: int = 600
+    # Wall-clock budget of the run in seconds (0 = none): the run evaluates, saves and ends at the first
+    # step that finishes past it. Compilation, evaluations and checkpoints count; a resume continues it.
+    time_budget_s: float = 0.0
     batch_size: int = 16  # sequences per rank per loader step; the global batch is ranks x this x grad_accum
     grad_accum: int = 1
     # Sequences per forward/backward: 0 = the whole batch_size; else a divisor of it, each batch then

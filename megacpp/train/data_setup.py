@@ -1,27 +1,24 @@
-"""What the trainer needs from the data path: tokenizer, train and validation loaders, a baseline."""
+"""What the trainer needs from the data path: tokenizer, train and validation loaders, the baselines."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from megacpp.data import CodeTokenizer, DataConfig, PackedLoader, ShardSet, ValBatch, ValLoader, prepare_data
+from megacpp.data import (
+    Baselines,
+    CodeTokenizer,
+    DataConfig,
+    PackedLoader,
+    ShardSet,
+    ValBatch,
+    ValLoader,
+    prepare_data,
+)
 from megacpp.data.corpus import CorpusError, discover_corpus
 from megacpp.data.prepare import load_or_train_tokenizer
-
-
-def unigram_bits_per_byte(shards: ShardSet) -> float:
-    """Entropy of the training split's token frequencies, per byte: what a model that ignores context
-    can reach. A trained model must fall clearly below it."""
-    split = shards.splits["train"]
-    counts = np.bincount(np.asarray(split.tokens), minlength=shards.vocab_size).astype(np.float64)
-    counts[shards.token_bytes == 0] = 0  # special tokens stand for no bytes, as in evaluate_bpb
-    p = counts[counts > 0] / counts.sum()
-    bits_per_token = float(-(p * np.log2(p)).sum())
-    return bits_per_token * counts.sum() / max(split.num_bytes, 1)
 
 
 @dataclass
@@ -32,7 +29,7 @@ class DataBundle:
     batch_size: int
     seq_len: int
     device: torch.device
-    unigram_bpb: float
+    baselines: Baselines
     rank: int = 0
     world_size: int = 1
 
@@ -64,7 +61,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     except ValueError as exc:  # before any training: not at the first evaluation
         raise CorpusError(f"{exc} (corpus: {prepared.corpus.summary().splitlines()[0]})") from exc
     return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
-                      unigram_bits_per_byte(prepared.shards), rank, world_size)
+                      prepared.baselines, rank, world_size)
 
 
 def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
+from megacpp.data import Baselines
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext, init_distributed, torchrun_world
 from megacpp.distributed.health import check_compile_health
@@ -109,10 +110,12 @@ class TrainResult:
     step: int
     losses: list[float]
     val_bpb: float | None
-    unigram_bpb: float
+    baselines: Baselines
     checkpoint: Path | None
     sample: str
     rank: int = 0  # under torchrun only rank 0 reports
+    device_type: str = "cpu"
+    out_of_time: bool = False  # train.time_budget_s ended the run before train.steps
 
 
 @torch.no_grad()
@@ -239,6 +242,8 @@ class Trainer:
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
         self.steps_started = 0  # by this process: the auto-fit warmup window counts them
         self.oom_hook = TEST_OOM_ENV in os.environ
+        self.elapsed_before = 0.0  # training wall time of the run before this process (a resume)
+        self._t_start: float | None = None  # when this process's training loop started
         self.high_loss_steps = 0  # consecutive steps above the divergence level
         self.losses: list[float] = []
         if ctx.distributed:  # one process has nobody to compare with: build nothing
@@ -296,7 +301,8 @@ class Trainer:
     def save(self) -> Path:
         self._check_finite_weights()
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
-                 "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64)}
+                 "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
+                 "elapsed_s": self.elapsed()}
         extra = {"tokenizer.json": self.data.tokenizer_json()} if self.ctx.is_main else None
         return dist_checkpoint.save(self.ctx, self.out_dir, self.step, self.model, self.stack.moments(), state,
                                     self.meta(), self.cfg.train.keep_last, extra)
@@ -333,6 +339,7 @@ class Trainer:
         self.step = int(state["step"])
         self.losses = state["losses"].tolist()
         self._reuse_micro_batch(meta.get("micro_batch"), path)
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))  # checkpoints before issue 13 lack it
         check_parity(self.ctx, {"checkpoint": str(path), "step": self.step,
                                 "loader": self.data.loader.state_dict()}, "after resume")
         self.log(f"resumed from {path} at step {self.step}")
@@ -392,6 +399,21 @@ class Trainer:
         raise NonFiniteLossError(f"step {self.step + 1}: {detail}; {where}. The last good checkpoint under "
                                  f"{self.out_dir / 'checkpoints'} is untouched.")
 
+    def elapsed(self) -> float:
+        """Training wall time of the run so far: this process's loop plus what a resumed checkpoint
+        had recorded (compilation, evaluations and checkpoints included)."""
+        running = time.perf_counter() - self._t_start if self._t_start is not None else 0.0
+        return self.elapsed_before + running
+
+    def _out_of_time(self) -> bool:
+        """Whether train.time_budget_s is spent. Ranks' clocks differ: they agree on the largest, so
+        every rank stops at the same step. Nothing is reduced when no budget is set."""
+        budget = self.cfg.train.time_budget_s
+        if not budget:
+            return False
+        elapsed = torch.tensor(self.elapsed(), dtype=torch.float64, device=self.device)
+        return float(self.ctx.all_reduce_(elapsed, "max").item()) >= budget
+
     def _interrupt_requested(self, sigint: SigintFlag) -> bool:
         """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same step)."""
         flag = torch.tensor(float(sigint.requested), device=self.device)
@@ -442,6 +464,8 @@ class Trainer:
             (self.out_dir / "config.toml").write_text(dump_toml(cfg))
         self.log(self.run_header())
         metrics = MetricsLogger(self.out_dir, tc.tensorboard, resume=resume) if ctx.is_main else None
+        if metrics is not None:  # the figures the plot and compare_quality.py draw beside val bits/byte
+            metrics.log(self.step, "baselines", self.data.baselines.record())
         tokens_per_step = self.global_batch * tc.grad_accum * cfg.data.seq_len
         flops = flops_per_token(self.model, cfg.data.seq_len)
         peak = peak_flops(self.device)
@@ -453,8 +477,9 @@ class Trainer:
         after_warmup = contextlib.ExitStack()
         compile_record: dict[str, Any] = {}
         sigint = after_warmup.enter_context(SigintFlag())
+        out_of_time = False
         try:
-            t_last = time.perf_counter()
+            t_last = self._t_start = time.perf_counter()
             warm = False
             while self.step < tc.steps:
                 self._expect_progress(watchdog, warm, f"step {self.step + 1}")
@@ -467,6 +492,8 @@ class Trainer:
                     if self.autofit is not None:
                         self.log(self.autofit.first_step_line(self.micro_batch))
                 self.losses.append(loss)
+                out_of_time = self.step < tc.steps and self._out_of_time()  # same step on every rank
+                final = self.step == tc.steps or out_of_time  # log, evaluate and save the last step
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
@@ -479,18 +506,21 @@ class Trainer:
                 if self.device.type == "cuda":
                     record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 self._check_divergence(loss, record.get("grad_norm"))
-                if metrics is not None and (self.step % tc.log_every == 0 or self.step == tc.steps):
+                if metrics is not None and (self.step % tc.log_every == 0 or final):
                     metrics.log(self.step, "train", record)
-                if self.step % tc.eval_every == 0 or self.step == tc.steps:
+                if self.step % tc.eval_every == 0 or final:
                     self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
-                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx, self.micro_batch)
+                    elapsed = self.elapsed()  # before the evaluation: the time it took to get here
+                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx,
+                                           self.micro_batch)
                     if metrics is not None:
-                        metrics.log(self.step, "val", {"val_bpb": val_bpb})
+                        metrics.log(self.step, "val", {"val_bpb": val_bpb, "tokens": self.step * tokens_per_step,
+                                                       "elapsed_s": elapsed})
                 if val_bpb is not None:
                     postfix["val_bpb"] = f"{val_bpb:.3f}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
-                checkpoint_due = self.step % tc.ckpt_every == 0 or self.step == tc.steps
+                checkpoint_due = self.step % tc.ckpt_every == 0 or final
                 fingerprint_due = cfg.dist.fingerprint_every and self.step % cfg.dist.fingerprint_every == 0
                 if checkpoint_due or fingerprint_due:
                     self._check_replicas()
@@ -499,6 +529,10 @@ class Trainer:
                     checkpoint = self.save()
                 if self._interrupt_requested(sigint):
                     self._stop_interrupted(watchdog, checkpoint if checkpoint_due else None)
+                if out_of_time:
+                    self.log(f"time budget of {tc.time_budget_s:g} s spent at step {self.step} "
+                             f"({self.elapsed():.0f} s): evaluated and saved; stopping before train.steps {tc.steps}")
+                    break
             self._expect_progress(watchdog, warm, "the final sample")
             sample = self.sample_text()
         except BaseException as exc:
@@ -516,17 +550,17 @@ class Trainer:
                 metrics.close()
             self.health.close()
         if ctx.is_main:
-            plot = plot_loss(metrics.path, self.out_dir / "loss.png", self.data.unigram_bpb)
+            plot = plot_loss(metrics.path, self.out_dir / "loss.png")
             self.log(f"loss curve: {plot}")
-        return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.unigram_bpb, checkpoint,
-                           sample, ctx.rank)
+        return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.baselines, checkpoint,
+                           sample, ctx.rank, self.device.type, out_of_time)
 
     def _nothing_to_train(self) -> TrainResult:
         """A resumed run already at train.steps: say so and end cleanly (no metrics, plot or sample)."""
         self.log(f"nothing to train: the run in {self.out_dir} is at step {self.step} and train.steps is "
                  f"{self.cfg.train.steps}; raise --train.steps to train further")
-        return TrainResult(self.out_dir, self.step, self.losses, None, self.data.unigram_bpb, None, "",
-                           self.ctx.rank)
+        return TrainResult(self.out_dir, self.step, self.losses, None, self.data.baselines, None, "",
+                           self.ctx.rank, self.device.type)
 
     def _expect_progress(self, watchdog: StepWatchdog | None, warm: bool, what: str) -> None:
         """Arm the stall watchdog for the next phase; not during warmup, whose compiles may take long."""
@@ -587,9 +621,9 @@ class Trainer:
             parameter_table(self.model),
             self.stack.routing_table,
             f"batch {tc.batch_size}{self._micro_batch_note()} x {self.ctx.world_size} rank(s) x "
-            f"{tc.grad_accum} accum x "
-            f"{self.cfg.data.seq_len} tokens, {tc.steps} steps; "
-            f"unigram entropy of the corpus: {self.data.unigram_bpb:.3f} bits/byte",
+            f"{tc.grad_accum} accum x {self.cfg.data.seq_len} tokens, {tc.steps} steps"
+            + (f" or {tc.time_budget_s:g} s, whichever comes first" if tc.time_budget_s else ""),
+            self.data.baselines.summary(),
         ]
         return "\n".join(lines)
 

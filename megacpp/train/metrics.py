@@ -80,8 +80,22 @@ def _ema(values: tuple[float, ...], decay: float) -> list[float]:
     return out
 
 
-def plot_loss(metrics_path: str | Path, png_path: str | Path, reference_bpb: float | None = None) -> Path:
-    """Training loss and validation bits-per-byte against step."""
+# The validation split's reference figures (a "baselines" record), drawn beside the model's curve.
+BASELINE_LINES = (
+    ("unigram_bpb", "unigram entropy", ":"),
+    ("xz_bpb", "xz -9e, split alone", "--"),
+    ("xz_given_train_bpb", "xz -9e given train", "-."),
+)
+
+
+def baselines_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last "baselines" record of a run's metrics, or None (runs before issue 13 have none)."""
+    found = [r for r in records if r["kind"] == "baselines"]
+    return found[-1] if found else None
+
+
+def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path:
+    """Training loss, and validation bits-per-byte against step with the run's baselines as lines."""
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and "loss" in r]
     val = [(r["step"], r["val_bpb"]) for r in records if r["kind"] == "val" and "val_bpb" in r]
@@ -89,16 +103,19 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, reference_bpb: flo
     if train:
         steps, losses = zip(*train, strict=True)
         ax_loss.plot(steps, losses, lw=0.8, alpha=0.4, label="per logged step")
-        # Batches differ a lot (a long generated header fills many consecutive rows): show the trend too.
+        # One batch's loss is a noisy estimate: show the trend too.
         ax_loss.plot(steps, _ema(losses, 0.9), lw=1.5, label="moving average")
         ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="train loss (nats/token)", title="training loss")
     if val:
         ax_bpb.plot(*zip(*val, strict=True), marker="o", label="validation")
-    if reference_bpb is not None:
-        ax_bpb.axhline(reference_bpb, color="gray", ls="--", label="unigram entropy")
+    baselines = baselines_of(records)
+    for key, label, style in BASELINE_LINES if baselines else ():
+        if key in baselines:
+            ax_bpb.axhline(baselines[key], color="gray", ls=style, label=f"{label} {baselines[key]:.3f}")
     ax_bpb.set(xlabel="step", ylabel="bits per byte", title="validation bits per byte")
-    ax_bpb.legend()
+    if val or baselines:
+        ax_bpb.legend()
     for ax in (ax_loss, ax_bpb):
         ax.grid(alpha=0.3)
     fig.tight_layout()

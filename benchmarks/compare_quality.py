@@ -1,0 +1,101 @@
+"""Compare finished runs' validation bits per byte: against tokens trained and against wall time,
+with the baselines (xz -9e alone and given the training split, unigram entropy) as horizontal lines.
+
+    python benchmarks/compare_quality.py runs/small runs/dense --out quality.png
+    python benchmarks/compare_quality.py small=runs/small dense=/tmp/d --out quality.png
+
+Each argument is a run directory (its metrics.jsonl is read), optionally labelled `label=dir`. Runs
+must have been trained by a megacpp with issue 13's metrics (val records with `tokens` and
+`elapsed_s`, a `baselines` record). Prints one row per run: the best and the last validation figure
+with the tokens and seconds to reach them, and the baselines (the same for runs on the same data).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics  # noqa: E402
+
+
+@dataclass
+class Run:
+    label: str
+    tokens: list[int]
+    seconds: list[float]
+    bpb: list[float]
+    baselines: dict | None
+
+
+def load_run(arg: str) -> Run:
+    label, _, path = arg.rpartition("=")
+    path = Path(path)
+    records = read_metrics(path / "metrics.jsonl")
+    val = [r for r in records if r["kind"] == "val" and "tokens" in r and "elapsed_s" in r]
+    if not val:
+        raise SystemExit(f"{path}: no validation records with tokens and elapsed_s (a run before issue 13?)")
+    return Run(label or path.name, [r["tokens"] for r in val], [r["elapsed_s"] for r in val],
+               [r["val_bpb"] for r in val], baselines_of(records))
+
+
+def plot(runs: list[Run], out: Path) -> None:
+    fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for run in runs:
+        by_tokens.plot([t / 1e6 for t in run.tokens], run.bpb, marker="o", ms=3, label=run.label)
+        by_time.plot([s / 60 for s in run.seconds], run.bpb, marker="o", ms=3, label=run.label)
+    figures = {run.label: tuple(run.baselines.get(k) for k, _, _ in BASELINE_LINES)
+               for run in runs if run.baselines is not None}
+    several = len(set(figures.values())) > 1  # runs on other data: name the run each line belongs to
+    drawn = set()
+    for label, values in figures.items():
+        if values in drawn:
+            continue
+        drawn.add(values)
+        for (_, text, style), value in zip(BASELINE_LINES, values, strict=True):
+            if value is None:
+                continue
+            by_tokens.axhline(value, color="gray", ls=style, lw=1)
+            by_time.axhline(value, color="gray", ls=style, lw=1,
+                            label=f"{text} {value:.3f}" + (f" ({label})" if several else ""))
+    by_tokens.set(xlabel="tokens trained (millions)", ylabel="validation bits per byte", title="per token")
+    by_time.set(xlabel="wall time (minutes, compilation and evaluation included)", title="per minute")
+    for ax in (by_tokens, by_time):
+        ax.grid(alpha=0.3)
+    by_tokens.legend()
+    by_time.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def table(runs: list[Run]) -> str:
+    head = ("| run | last val bpb | at tokens | at s | best val bpb | at tokens | at s | unigram | xz | "
+            "xz given train |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for run in runs:
+        best = min(range(len(run.bpb)), key=run.bpb.__getitem__)
+        b = run.baselines or {}
+        figures = [f"{b[k]:.4f}" if k in b else "-" for k in ("unigram_bpb", "xz_bpb", "xz_given_train_bpb")]
+        rows.append(f"| {run.label} | {run.bpb[-1]:.4f} | {run.tokens[-1]:,} | {run.seconds[-1]:.0f} | "
+                    f"{run.bpb[best]:.4f} | {run.tokens[best]:,} | {run.seconds[best]:.0f} | {' | '.join(figures)} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
+    parser.add_argument("--out", type=Path, default=Path("quality.png"), help="PNG to write")
+    args = parser.parse_args()
+    runs = [load_run(arg) for arg in args.runs]
+    plot(runs, args.out)
+    print(table(runs))
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

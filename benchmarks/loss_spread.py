@@ -1,0 +1,62 @@
+"""Step-to-step spread of the training loss and gradient-norm spikes of finished runs (issue 13's
+before/after comparison of the loader).
+
+    python benchmarks/loss_spread.py before=/tmp/before after=/tmp/after --steps 100:300
+
+Over the steps in the window, from each run's metrics.jsonl:
+- detrended std: standard deviation of the loss minus its least-squares line over the window;
+- diff std and diff range: standard deviation, and max - min, of loss[s] - loss[s-1];
+- grad norm: median and maximum, and spikes = steps whose norm exceeds 3x the window's median.
+The loss at a step is one batch's loss, so these measure how much batches differ from each other.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from megacpp.train.metrics import read_metrics
+
+
+def spread(path: Path, first: int, last: int) -> dict[str, float]:
+    records = [r for r in read_metrics(path / "metrics.jsonl")
+               if r["kind"] == "train" and first <= r["step"] <= last]
+    if len(records) < 3:
+        raise SystemExit(f"{path}: fewer than 3 training records in steps {first}..{last}")
+    steps = np.array([r["step"] for r in records], dtype=np.float64)
+    loss = np.array([r["loss"] for r in records])
+    trend = np.polyval(np.polyfit(steps, loss, 1), steps)
+    diffs = np.diff(loss)
+    out = {"steps": len(loss), "mean loss": loss.mean(), "detrended std": (loss - trend).std(),
+           "diff std": diffs.std(), "diff range": diffs.max() - diffs.min()}
+    norms = np.array([r["grad_norm"] for r in records if "grad_norm" in r])
+    if len(norms):
+        median = float(np.median(norms))
+        out.update({"grad norm median": median, "grad norm max": norms.max(),
+                    "spikes > 3x median": int((norms > 3 * median).sum())})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
+    parser.add_argument("--steps", default="100:300", help="first:last step of the window (inclusive)")
+    args = parser.parse_args()
+    first, last = (int(x) for x in args.steps.split(":"))
+    rows = []
+    for arg in args.runs:
+        label, _, path = arg.rpartition("=")
+        rows.append((label or Path(path).name, spread(Path(path), first, last)))
+    keys = list(rows[0][1])
+    print(f"steps {first}..{last}")
+    print("| run | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for label, figures in rows:
+        cells = [f"{figures[k]:.4f}" if isinstance(figures.get(k), float) else str(figures.get(k, "-"))
+                 for k in keys]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
