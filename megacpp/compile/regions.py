@@ -8,10 +8,7 @@ and each distinct variant (mixer type, engram on/off) is one more cache entry un
 """
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import torch
 import torch._dynamo
@@ -20,11 +17,6 @@ from torch.utils.hooks import RemovableHandle
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
-from megacpp.compile.versions import supports
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-_fallback_sites: Counter[str] = Counter()
 
 
 @dataclass
@@ -103,19 +95,3 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
             handle._hooks.append(module.register_forward_pre_hook(_mark_batch_hook, with_kwargs=True))
     return handle
 
-
-def disable_unless(feature: str, fn: F, site: str) -> F:
-    """Return `fn` as is when this torch has `feature` (a versions.GATES key); otherwise wrap it in
-    ``torch.compiler.disable`` — a graph break — and count the site (see `fallback_sites`).
-
-    This is the only sanctioned use of ``torch.compiler.disable`` in megacpp: a version-gated fallback.
-    """
-    if supports(feature):
-        return fn
-    _fallback_sites[f"{site} [{feature}]"] += 1
-    return torch.compiler.disable(fn)  # type: ignore[return-value]
-
-
-def fallback_sites() -> dict[str, int]:
-    """Sites wrapped in ``torch.compiler.disable`` by `disable_unless`, with how often each was wrapped."""
-    return dict(_fallback_sites)

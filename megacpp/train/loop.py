@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
+from megacpp.compile.entry import prepare_compile
+from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
