@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megacpp.compile.versions import parse_version, public_version, torch_version
+from megacpp.fs import atomic_write_text
 
 # Compiled packages megacpp may load through their Python APIs even when they do not declare torch.
 KNOWN_EXTENSIONS = ("flash_attn", "flash-attn", "mamba_ssm", "mamba-ssm", "causal_conv1d", "causal-conv1d",
@@ -228,7 +229,7 @@ def compare(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def write_freeze(path: Path) -> dict[str, Any]:
     record = freeze()
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
 
 
