@@ -2,7 +2,7 @@
 
 `megacpp.train` and `megacpp.infer` never import each other: what both need (checkpoint format, device,
 data bundle, evaluation, generation) lives in `megacpp.runtime`, which imports neither. Reading the
-configuration must not load Dynamo (seconds of import before `megacpp config` can answer).
+configuration must load neither Dynamo nor DTensor (seconds of import before `megacpp config` answers).
 """
 from __future__ import annotations
 
@@ -76,9 +76,11 @@ def test_runtime_sits_below_train_and_infer():
 
 
 @pytest.mark.parametrize("module", ["megacpp.config", "megacpp.cli"])
-def test_importing_the_config_or_the_cli_does_not_load_dynamo(module):
-    """A fresh interpreter: this test process has long imported Dynamo."""
-    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+def test_importing_the_config_or_the_cli_loads_neither_dynamo_nor_dtensor(module):
+    """Each costs about a second of import before `megacpp config` or `--help` can answer. A fresh
+    interpreter: this test process has long imported both."""
+    heavy = ("torch._dynamo", "torch.distributed.tensor")
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]", f"import {module} loaded {result.stdout.strip()}"
