@@ -1,6 +1,6 @@
 """Compile benchmark: cold vs warm (cache) compile time, and steady-state step time compiled vs eager.
 
-    python benchmarks/bench_compile.py --factory megacpp.compile.standin:build_standin \\
+    PYTHONPATH=. python benchmarks/bench_compile.py --factory tests.compile_fixtures.standin:build_standin \\
         --backend inductor --mode blocks --batch 8 --seq 128 --steps 20
 
 `--factory module:function` builds the model (keyword arguments from `--factory-kwargs` JSON); it must
@@ -25,14 +25,17 @@ from contextlib import nullcontext
 
 import torch
 
-from megacpp.compile import CompileConfig, CompileHealth, bounds_for, compile_model, setup_inductor_cache
-from megacpp.compile.standin import standin_batch
+from megacpp.compile.cache import setup_inductor_cache
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.health import CompileHealth, bounds_for
+from megacpp.compile.regions import compile_model
+from megacpp.compile.report import random_token_batch
 from megacpp.compile.versions import torch_version
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--factory", default="megacpp.compile.standin:build_standin")
+    p.add_argument("--factory", default="tests.compile_fixtures.standin:build_standin")
     p.add_argument("--factory-kwargs", default="{}", help="JSON keyword arguments for the factory")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--mode", default="blocks", choices=["model", "blocks"])
@@ -54,7 +57,7 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def make_step(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
-    batch = standin_batch(model.tok_embed.num_embeddings, args.batch, args.seq, device)
+    batch = random_token_batch(model.tok_embed.num_embeddings, args.batch, args.seq, device)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     def step() -> float:

@@ -32,7 +32,9 @@ import torch
 import torch._dynamo
 from timing import fwd_bwd_ms, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 
-from megacpp.compile import CompileConfig, apply_policy, compile_model
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.policy import apply_policy
+from megacpp.compile.regions import compile_model
 from megacpp.compile.versions import supports
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import Block, HybridLM
@@ -40,7 +42,7 @@ from megacpp.model.moe import MoE
 from megacpp.model.params import flops_per_token
 from megacpp.optim import build_optimizers
 from megacpp.presets import preset
-from megacpp.train.runtime import peak_flops
+from megacpp.runtime.device import peak_flops
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
 

@@ -137,14 +137,14 @@ def cmd_sample(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace, cfg: Config) -> int:
-    from megacpp.train.data_setup import train_tokenizer_cli
+    from megacpp.runtime.data import train_tokenizer_cli
 
     print(train_tokenizer_cli(cfg.data, args.out))
     return 0
 
 
 def cmd_data_prepare(args: argparse.Namespace, cfg: Config) -> int:
-    from megacpp.train.data_setup import build_data
+    from megacpp.runtime.data import build_data
 
     data = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, "cpu", print)
     print(f"ready: tokenizer {data.tokenizer_hash[:12]}, shards at {data.shards.dir}")

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from megacpp.compile.versions import parse_version, torch_version
+from megacpp.compile.versions import parse_version, public_version, torch_version
+from megacpp.fs import atomic_write_text
 
 # Compiled packages megacpp may load through their Python APIs even when they do not declare torch.
 KNOWN_EXTENSIONS = ("flash_attn", "flash-attn", "mamba_ssm", "mamba-ssm", "causal_conv1d", "causal-conv1d",
@@ -144,7 +145,7 @@ def _check_triton(running_torch: metadata.Distribution | None) -> Verdict | None
     if pin is None:
         return Verdict("triton", triton.version, "torch pins no triton (a CPU build)",
                        "used by megacpp's Triton kernels on CUDA and by their CPU interpreter tests", True)
-    same = parse_version(pin[1]) == parse_version(triton.version)
+    same = public_version(parse_version(pin[1])) == public_version(parse_version(triton.version))
     verdict = ("the version torch was built with" if same else
                f"torch {torch_version()} was built with triton {pin[1]}: Inductor and megacpp's kernels may "
                "miscompile or fail")
@@ -228,7 +229,7 @@ def compare(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def write_freeze(path: Path) -> dict[str, Any]:
     record = freeze()
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
 
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
-from megacpp.train.checkpoint import (
+from megacpp.runtime.checkpoint import (
     CheckpointError,
     check_compatible,
     latest_valid_checkpoint,

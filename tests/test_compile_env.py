@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch._inductor.config
 
 from megacpp.compile.config import CompileConfig
-from megacpp.compile.env import apply_env, process_group_timeout
+from megacpp.compile.env import apply_env
 
 NCCL = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
 
@@ -67,5 +66,3 @@ def test_autotune_off_unless_asked_and_in_a_subprocess_when_on(monkeypatch):
     assert apply_env(CompileConfig()).inductor["max_autotune_gemm"] is True
 
 
-def test_process_group_timeout():
-    assert process_group_timeout() == timedelta(seconds=7200)

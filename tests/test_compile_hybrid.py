@@ -4,8 +4,9 @@ import copy
 import pytest
 import torch
 
-from megacpp.compile import CompileHealth, bounds_for, compile_model, forbid_recompiles
 from megacpp.compile.config import CompileConfig
+from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
+from megacpp.compile.regions import compile_model
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.moe import MoE

@@ -17,7 +17,8 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.policy import KNOBS
 from megacpp.compile.regions import compile_model
-from megacpp.compile.standin import build_standin, standin_batch
+from megacpp.compile.report import random_token_batch
+from tests.compile_fixtures.standin import build_standin
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +40,10 @@ def test_standin_compiles_with_inductor_without_breaks_or_recompiles(mode):
     model = build_standin("AMERF")
     with CompileHealth(bounds_for(cfg)) as health:
         health.attach(compile_model(model, cfg))
-        model(**standin_batch(64, 4, 16)).backward()
+        model(**random_token_batch(64, 4, 16)).backward()
         health.end_warmup()
         with forbid_recompiles():
-            model(**standin_batch(64, 3, 16)).backward()
+            model(**random_token_batch(64, 3, 16)).backward()
         assert health.break_sites(upstream=None) == {}
         assert health.check_bounds(strict=True) == []
         assert health.totals().graphs >= 1
@@ -54,13 +55,14 @@ _CHILD = textwrap.dedent(
     from megacpp.compile.cache import import_cache, setup_inductor_cache
     from megacpp.compile.config import CompileConfig
     from megacpp.compile.regions import compile_model
-    from megacpp.compile.standin import build_standin, standin_batch
+    from megacpp.compile.report import random_token_batch
+    from tests.compile_fixtures.standin import build_standin
     status = setup_inductor_cache(sys.argv[1])
     result = import_cache(sys.argv[2]) if len(sys.argv) > 2 else None
     torch.manual_seed(0)
     model = build_standin("F")
     compile_model(model, CompileConfig(mode="model", backend="inductor"))
-    model(**standin_batch(64, 4, 16)).backward()
+    model(**random_token_batch(64, 4, 16)).backward()
     counters = torch._dynamo.utils.counters
     print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"],
                       "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],

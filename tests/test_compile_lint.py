@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp.compile.lint import MutatedScalarError, assert_no_mutated_scalars, find_mutated_scalars
-from megacpp.compile.standin import FFNMixer, MoEMixer, build_standin, standin_batch
+from megacpp.compile.report import random_token_batch
+from tests.compile_fixtures.lint import MutatedScalarError, assert_no_mutated_scalars, find_mutated_scalars
+from tests.compile_fixtures.standin import FFNMixer, MoEMixer, build_standin
 
 
 class OverflowCountingMoE(MoEMixer):
@@ -29,7 +30,7 @@ class FirstCallFlag(FFNMixer):
 
 
 def _batch():
-    return standin_batch(64, 2, 8)
+    return random_token_batch(64, 2, 8)
 
 
 def test_clean_model_passes():

@@ -9,7 +9,8 @@ from torch._dynamo.exc import FailOnRecompileLimitHit, RecompileError
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CompileHealth, CompileHealthError, bounds_for, forbid_recompiles
 from megacpp.compile.regions import compile_model
-from megacpp.compile.standin import FFNMixer, MoEMixer, build_standin, standin_batch
+from megacpp.compile.report import random_token_batch
+from tests.compile_fixtures.standin import FFNMixer, MoEMixer, build_standin
 
 pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
@@ -65,7 +66,7 @@ def test_no_recompiles_over_30_steps(mode):
         step = torch.compile(opt.step, backend=cfg.backend)  # as optim.compile_step does
         for i, batch in enumerate(sizes):
             with forbid_recompiles() if i > 0 else torch.enable_grad():
-                model(**standin_batch(64, batch, 8)).backward()
+                model(**random_token_batch(64, batch, 8)).backward()
                 step()
             opt.zero_grad(set_to_none=True)
             moe.update_bias(0.5)  # routing shifts, outside the graph
@@ -87,11 +88,11 @@ def test_planted_float_attribute_is_caught_by_forbid_recompiles(mode):
     model.blocks[1].mixer = FloatScaledFFN(32)
     with CompileHealth() as health:
         health.attach(compile_model(model, CompileConfig(mode=mode, backend="eager")))
-        model(**standin_batch(64, 4, 8)).backward()
+        model(**random_token_batch(64, 4, 8)).backward()
         health.end_warmup()
         model.blocks[1].mixer.temperature = 0.5  # e.g. a schedule writing a Python float
         with pytest.raises(RecompileError, match=r"temperature == 1\.0"), forbid_recompiles():
-            model(**standin_batch(64, 4, 8)).backward()
+            model(**random_token_batch(64, 4, 8)).backward()
         assert health.totals().recompiles_after_warmup == 1
         with pytest.raises(CompileHealthError, match="temperature"):
             health.check_bounds(strict=True)
@@ -101,9 +102,9 @@ def test_planted_int_counter_fails_the_guard_with_its_name():
     model = build_standin("F")
     model.blocks[0].mixer = CountingFFN(32)
     compile_model(model, CompileConfig(mode="blocks", backend="eager"))
-    model(**standin_batch(64, 4, 8)).backward()
+    model(**random_token_batch(64, 4, 8)).backward()
     with pytest.raises(RecompileError, match="calls_seen"), forbid_recompiles():
-        model(**standin_batch(64, 4, 8)).backward()
+        model(**random_token_batch(64, 4, 8)).backward()
 
 
 def test_recompile_cap_hit_is_counted_and_fails_loudly():
@@ -115,7 +116,7 @@ def test_recompile_cap_hit_is_counted_and_fails_loudly():
         with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(FailOnRecompileLimitHit):
             for i in range(4):
                 model.blocks[0].mixer.temperature = 1.0 + i
-                model(**standin_batch(64, 4, 8))
+                model(**random_token_batch(64, 4, 8))
         stats = health.snapshot()["Block.forward"]
         assert stats.cache_limit_hits == 1 and stats.recompiles >= 1
         assert any("recompile_limit" in a for a in health.alerts)

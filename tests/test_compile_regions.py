@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch._dynamo
 
-from megacpp.compile import regions
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import (
     CompileHealth,
@@ -14,9 +13,9 @@ from megacpp.compile.health import (
     HealthBounds,
     bounds_for,
 )
-from megacpp.compile.regions import compile_model, disable_unless, fallback_sites
-from megacpp.compile.standin import FFNMixer, build_standin, standin_batch
-from megacpp.compile.versions import GATES, Gate
+from megacpp.compile.regions import compile_model
+from megacpp.compile.report import random_token_batch
+from tests.compile_fixtures.standin import FFNMixer, build_standin
 
 pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
@@ -29,7 +28,7 @@ class BreakingFFN(FFNMixer):
 
 
 def _train(model, batch, seq_len=8):
-    model(**standin_batch(64, batch, seq_len)).backward()
+    model(**random_token_batch(64, batch, seq_len)).backward()
 
 
 # blocks mode: the five blocks share Block.forward, and the loss head (final norm, LM head,
@@ -110,29 +109,6 @@ def test_warmup_batch_of_one_is_refused():
     compile_model(model, CompileConfig(mode="model", backend="eager"))
     with pytest.raises(ValueError, match="warm up with >= 2"):
         _train(model, 1)
-
-
-def test_disable_fallback_is_gated_and_counted(monkeypatch):
-    monkeypatch.setattr(regions, "_fallback_sites", type(regions._fallback_sites)())
-
-    def kernel(x):
-        return x * 2
-
-    assert disable_unless("custom_op", kernel, "ops.kernel") is kernel
-    assert fallback_sites() == {}
-
-    monkeypatch.setitem(GATES, "custom_op", Gate("99.0", "custom ops"))
-    wrapped = disable_unless("custom_op", kernel, "ops.kernel")
-    assert wrapped is not kernel and fallback_sites() == {"ops.kernel [custom_op]": 1}
-
-    def forward(x):
-        return wrapped(x + 1) - 1
-
-    with CompileHealth() as health:
-        out = torch.compile(forward, backend="eager")(torch.ones(3))
-        assert torch.equal(out, torch.full((3,), 3.0))
-        assert health.totals().breaks == 1  # the fallback is a graph break, and it is counted
-        assert list(health.break_sites()) == [f"{__file__}:{forward.__code__.co_firstlineno + 1}"]
 
 
 def test_disabled_mixer_break_is_attributed_to_the_calling_block():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megacpp.compile.report import compile_report
-from megacpp.compile.standin import FFNMixer, build_standin
+from tests.compile_fixtures.standin import FFNMixer, build_standin
 
 pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 

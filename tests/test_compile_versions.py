@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megacpp.compile import versions
-from megacpp.compile.versions import GATES, parse_version, supports
+from megacpp.compile.versions import GATES, parse_version, public_version, supports
 
 
 def test_minor_versions_compare_numerically_not_as_strings():
@@ -32,10 +32,15 @@ def test_pre_release_and_dev_ordering(older, newer):
     assert not parse_version(newer) < parse_version(older)
 
 
-def test_local_suffix_and_trailing_zeros_do_not_order():
-    assert parse_version("2.11.0+cu130") == parse_version("2.11.0+cpu") == parse_version("2.11")
+def test_local_label_is_kept_for_display_but_never_orders():
+    assert parse_version("2.11.0") == parse_version("2.11")  # trailing zeros do not order either
+    builds = [parse_version(v) for v in ("2.11.0+cu130", "2.11.0+cpu", "2.11")]
+    assert {public_version(v) for v in builds} == {parse_version("2.11.0")}
     assert parse_version("2.12.0.dev20260304+cu130").local == "cu130"
     assert str(parse_version("2.12.0.dev20260304+cu130")) == "2.12.0.dev20260304+cu130"
+    # A gate at X: a local build of X passes as X does; a local build of a nightly of X does not.
+    assert supports("cache_artifacts", "2.7.0+cu126") and supports("cache_artifacts", "2.7")
+    assert not supports("cache_artifacts", "2.7.0.dev20250101+cu126")
 
 
 def test_garbage_is_rejected():

@@ -6,8 +6,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from megacpp.infer.generate import generate_tokens
 from megacpp.model.hybrid import HybridLM
+from megacpp.runtime.generate import generate_tokens
 from megacpp.train.determinism import configure_mode, mode_report
 from megacpp.train.perturb import perturb_, perturbed, restore_
 from tests.fixtures.make_default_path import FIXTURE, pinned_config, pinned_run_in_child

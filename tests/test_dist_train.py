@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megacpp.train.checkpoint import list_checkpoints, verify_checkpoint
+from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from tests.helpers import tiny_train_args, write_corpus
 from tests.torchrun import Launch, python, torchrun, two_nodes
 

@@ -28,8 +28,8 @@ from megacpp.config import ConfigError, load_config
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.parity import relevant_env
+from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.autofit import MICRO_BATCH_ENV, REPORT_ENV, next_micro_batch
-from megacpp.train.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.child_output import ChildOutput
 from megacpp.train.loop import Trainer
 from megacpp.train.supervisor import child_environment

@@ -18,7 +18,7 @@ import torch
 from megacpp.cli import main
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
-from megacpp.train.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
+from megacpp.runtime.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
 from megacpp.train.loop import DivergenceError, NonFiniteWeightsError, Trainer
 from megacpp.train.metrics import MetricsLogger, plot_loss, read_metrics
 from megacpp.train.rundir import LOCK_NAME, RunLock

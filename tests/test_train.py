@@ -7,7 +7,7 @@ import torch
 
 from megacpp.cli import main
 from megacpp.data.baselines import BASELINES_FILE
-from megacpp.train.checkpoint import list_checkpoints
+from megacpp.runtime.checkpoint import list_checkpoints
 from megacpp.train.loop import NonFiniteLossError, Trainer
 from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics
 from tests.helpers import tiny_train_args, tiny_train_config
@@ -144,7 +144,7 @@ def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, 
     assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--batches", "2"]) == 0
     out = capsys.readouterr().out
     reported = float(out.split("validation bits per byte:")[1].split()[0])
-    from megacpp.train.loop import evaluate_bpb
+    from megacpp.runtime.evaluate import evaluate_bpb
 
     expected = evaluate_bpb(trainer.model, trainer.data, trainer.device, 2)
     assert abs(reported - expected) < 5e-5  # printed with 4 decimals; the same batches and weights

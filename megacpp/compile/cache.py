@@ -32,6 +32,7 @@ from filelock import FileLock, Timeout
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.versions import supports, torch_version
 from megacpp.errors import MegacppError
+from megacpp.fs import atomic_dir, atomic_path, atomic_write_bytes, is_temporary, scratch_dir
 
 MANIFEST = "MANIFEST.json"
 FILES_DIR = "inductor"
@@ -158,10 +159,10 @@ def _files(root: Path) -> list[Path]:
         return []
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        # Our own staging directories (".tmp-" in the name) are never cache content.
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and ".tmp-" not in d)
+        # Temporaries of atomic writes and staging directories are never cache content.
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not is_temporary(d))
         for name in sorted(filenames):
-            ours = name in _SKIP_NAMES or name.startswith(".probe-") or ".tmp-" in name
+            ours = name in _SKIP_NAMES or name.startswith(".probe-") or is_temporary(name)
             if not ours and not name.endswith(".lock"):
                 found.append(Path(dirpath, name).relative_to(root))
     return found
@@ -194,9 +195,8 @@ def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:
     for rel in files:
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.copyfile(src / rel, tmp)
-        os.replace(tmp, target)  # readers never see a half-written file
+        with atomic_path(target) as tmp:  # readers never see a half-written file
+            shutil.copyfile(src / rel, tmp)
 
 
 def _move_tree(src: Path, dst: Path, files: list[Path]) -> None:
@@ -204,12 +204,6 @@ def _move_tree(src: Path, dst: Path, files: list[Path]) -> None:
     for rel in files:
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(src / rel, dst / rel)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _locks(paths: list[Path], timeout: float) -> ExitStack:
@@ -243,21 +237,18 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
         if manifest.is_file() and json.loads(manifest.read_text()).get("digest") == digest:
             return SyncResult("skipped", dest, digest, count, (dest / ARTIFACTS).is_file())
         manifest.unlink(missing_ok=True)  # an interrupted export leaves no manifest: never a skip
-        staging = dest / f"{FILES_DIR}.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        _copy_tree(src, staging, _files(src))
-        shutil.rmtree(dest / FILES_DIR, ignore_errors=True)
-        os.replace(staging, dest / FILES_DIR)
+        with atomic_dir(dest / FILES_DIR) as staging:
+            _copy_tree(src, staging, _files(src))
         artifacts = torch.compiler.save_cache_artifacts() if supports("cache_artifacts") else None
         if artifacts:
-            _write_atomic(dest / ARTIFACTS, artifacts[0])
+            atomic_write_bytes(dest / ARTIFACTS, artifacts[0])
         else:
             (dest / ARTIFACTS).unlink(missing_ok=True)
         info = {"digest": digest, "files": count, "torch": str(torch_version()), "artifacts": bool(artifacts),
                 "sha256": hashes}
         if artifacts:
             info["artifacts_sha256"] = hashlib.sha256(artifacts[0]).hexdigest()
-        _write_atomic(manifest, json.dumps(info, indent=1).encode())
+        atomic_write_bytes(manifest, json.dumps(info, indent=1).encode())
     return SyncResult("exported", dest, digest, count, bool(artifacts))
 
 
@@ -320,15 +311,11 @@ def import_cache(src: str | Path, cache_dir: str | Path | None = None, *, lock_t
         if marker.is_file() and marker.read_text().strip() == info["digest"]:
             return SyncResult("skipped", dest, info["digest"], info["files"], False)
         files = _verify_export(src, info)
-        staging = dest / f".import.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
+        with scratch_dir(dest, "import") as staging:
             _copy_tree(src / FILES_DIR, staging, files)
             _move_tree(staging, dest, files)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         loaded = False
         if (src / ARTIFACTS).is_file() and supports("cache_artifacts"):
             loaded = torch.compiler.load_cache_artifacts((src / ARTIFACTS).read_bytes()) is not None
-        _write_atomic(marker, info["digest"].encode())
+        atomic_write_bytes(marker, info["digest"].encode())
     return SyncResult("imported", dest, info["digest"], len(files), loaded)

@@ -41,11 +41,6 @@ class EnvReport:
         return "\n".join(lines)
 
 
-def process_group_timeout() -> timedelta:
-    """The timeout to pass to ``torch.distributed.init_process_group`` (7200 s: outlasts a cold compile)."""
-    return PROCESS_GROUP_TIMEOUT
-
-
 def apply_env(cfg: CompileConfig | None = None, environ: MutableMapping[str, str] | None = None) -> EnvReport:
     """Apply the Inductor autotune defaults and, under torchrun (LOCAL_RANK set), the NCCL defaults."""
     import torch._inductor.config as inductor_config

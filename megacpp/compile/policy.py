@@ -137,7 +137,3 @@ def apply_policy(cfg: CompileConfig | None = None) -> PolicyStatus:
     _status = status
     return status
 
-
-def policy_status() -> PolicyStatus | None:
-    """The last status `apply_policy` returned, or None if it has not run in this process."""
-    return _status

@@ -12,10 +12,8 @@ replaced on the instance like ``forward``; the code between the regions stays ea
 """
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -24,11 +22,6 @@ from torch.utils.hooks import RemovableHandle
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
-from megacpp.compile.versions import supports
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-_fallback_sites: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -143,19 +136,3 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
         _compile_region(region, cfg, handle)
     return handle
 
-
-def disable_unless(feature: str, fn: F, site: str) -> F:
-    """Return `fn` as is when this torch has `feature` (a versions.GATES key); otherwise wrap it in
-    ``torch.compiler.disable`` — a graph break — and count the site (see `fallback_sites`).
-
-    This is the only sanctioned use of ``torch.compiler.disable`` in megacpp: a version-gated fallback.
-    """
-    if supports(feature):
-        return fn
-    _fallback_sites[f"{site} [{feature}]"] += 1
-    return torch.compiler.disable(fn)  # type: ignore[return-value]
-
-
-def fallback_sites() -> dict[str, int]:
-    """Sites wrapped in ``torch.compiler.disable`` by `disable_unless`, with how often each was wrapped."""
-    return dict(_fallback_sites)

@@ -1,100 +1,28 @@
 """The one version-gate table: every torch-version-dependent branch in megacpp reads it.
 
-Versions are compared as parsed release tuples, never as strings ("2.9" > "2.12" as strings).
-Ordering follows PEP 440 for the subset torch uses: ``2.12.0.dev20260304`` < ``2.12.0a0`` <
-``2.12.0rc1`` < ``2.12.0`` < ``2.12.0.post1``; a local suffix (``+cu130``, ``+cpu``) does not order.
-A nightly of X is therefore *older* than X and takes the fallback path of a gate whose minimum is X:
-a nightly may predate the feature, and the fallback is the safe side.
+Versions are parsed by `packaging.version` (PEP 440) and compared as versions, never as strings
+("2.9" > "2.12" as strings): ``2.12.0.dev20260304`` < ``2.12.0a0`` < ``2.12.0rc1`` < ``2.12.0`` <
+``2.12.0.post1``. A local label (``+cu130``, ``+cpu``) is kept for display but never decides a
+comparison here (`public_version` drops it). A nightly of X is therefore *older* than X and takes the
+fallback path of a gate whose minimum is X: a nightly may predate the feature, and the fallback is
+the safe side.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from functools import total_ordering
 
 import torch
-
-_VERSION_RE = re.compile(
-    r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[.-]?(?P<pre>a|b|rc|alpha|beta|c)[.-]?(?P<pre_n>\d*))?"
-    r"(?:[.-]?post[.-]?(?P<post>\d*))?"
-    r"(?:[.-]?dev[.-]?(?P<dev>\d*))?"
-    r"(?:\+(?P<local>[0-9A-Za-z.]+))?\s*$"
-)
-_PRE_ALIASES = {"alpha": "a", "beta": "b", "c": "rc"}
-_PRE_RANK = {"a": 0, "b": 1, "rc": 2}
-
-
-@total_ordering
-@dataclass(frozen=True)
-class Version:
-    """A parsed version; compares by release, then pre/dev/post stage; ``local`` never orders."""
-
-    release: tuple[int, ...]
-    pre: tuple[str, int] | None = None
-    post: int | None = None
-    dev: int | None = None
-    local: str | None = None
-
-    def _key(self) -> tuple:
-        release = self.release
-        while len(release) > 1 and release[-1] == 0:  # 2.12 == 2.12.0
-            release = release[:-1]
-        if self.pre is None and self.post is None and self.dev is not None:
-            stage = (-1, 0)  # X.devN sorts before every pre-release of X
-        elif self.pre is None:
-            stage = (3, 0)  # a final release sorts after its pre-releases
-        else:
-            stage = (_PRE_RANK[self.pre[0]], self.pre[1])
-        post = -1 if self.post is None else self.post
-        dev = float("inf") if self.dev is None else self.dev  # X.postN.devM < X.postN
-        return (release, stage, post, dev)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            other = parse_version(other)
-        if not isinstance(other, Version):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __lt__(self, other: object) -> bool:
-        if isinstance(other, str):
-            other = parse_version(other)
-        if not isinstance(other, Version):
-            return NotImplemented
-        return self._key() < other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __str__(self) -> str:
-        text = ".".join(str(p) for p in self.release)
-        if self.pre is not None:
-            text += f"{self.pre[0]}{self.pre[1]}"
-        if self.post is not None:
-            text += f".post{self.post}"
-        if self.dev is not None:
-            text += f".dev{self.dev}"
-        if self.local is not None:
-            text += f"+{self.local}"
-        return text
+from packaging.version import Version
 
 
 def parse_version(text: str) -> Version:
-    """Parse ``2.13.0``, ``2.12.0.dev20260304+cu130``, ``2.11.0rc2``, ``2.9`` into a `Version`."""
-    match = _VERSION_RE.match(str(text))
-    if match is None:
-        raise ValueError(f"not a version string: {text!r}")
-    pre = None
-    if match["pre"]:
-        pre = (_PRE_ALIASES.get(match["pre"], match["pre"]), int(match["pre_n"] or 0))
-    return Version(
-        release=tuple(int(p) for p in match["release"].split(".")),
-        pre=pre,
-        post=None if match["post"] is None else int(match["post"] or 0),
-        dev=None if match["dev"] is None else int(match["dev"] or 0),
-        local=match["local"],
-    )
+    """Parse ``2.13.0``, ``2.12.0.dev20260304+cu130``, ``2.11.0rc2``, ``2.9``; ValueError if not PEP 440."""
+    return Version(str(text))  # packaging's InvalidVersion is a ValueError
+
+
+def public_version(version: Version) -> Version:
+    """`version` without its local label: ``2.11.0+cu130`` -> ``2.11.0``, the part that orders builds."""
+    return Version(version.public)
 
 
 @dataclass(frozen=True)
@@ -132,11 +60,6 @@ GATES: dict[str, Gate] = {
         "torch.nn.functional.grouped_mm (MoE's dropless grouped dispatch; without it token choice keeps the "
         "padded dispatch). Used on 2.11 (H200) and 2.13 (CPU); earlier releases were not checked",
     ),
-    "custom_op": Gate(
-        "2.4",
-        "torch.library.custom_op + register_fake + register_autograd: an opaque kernel stays one "
-        "node inside the graph; without it the kernel is wrapped in torch.compiler.disable (a break)",
-    ),
 }
 
 
@@ -155,4 +78,4 @@ def supports(feature: str, version: str | Version | None = None) -> bool:
         current = version
     else:
         current = parse_version(version)
-    return current >= parse_version(GATES[feature].min_version)
+    return public_version(current) >= parse_version(GATES[feature].min_version)

@@ -3,7 +3,6 @@ and the validation split's baselines (cached beside the shards)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from megacpp.data.config import DataConfig
 from megacpp.data.corpus import Corpus, discover_corpus
 from megacpp.data.shards import ShardSet, build_shards, shard_dir_name
 from megacpp.data.tokenizer import SPLIT_PATTERN, CodeTokenizer, file_hash, train_tokenizer
+from megacpp.fs import atomic_write_text
 
 
 @dataclass
@@ -55,10 +55,7 @@ def _load_cached_tokenizer(path: Path, log: Callable[[str], None] | None) -> Cod
 
 
 def _record_hash(path: Path, digest: str) -> None:
-    recorded = recorded_hash_path(path)
-    tmp = recorded.with_name(f"{recorded.name}.tmp-{os.getpid()}")
-    tmp.write_text(digest + "\n")
-    os.replace(tmp, recorded)
+    atomic_write_text(recorded_hash_path(path), digest + "\n")
 
 
 def load_or_train_tokenizer(

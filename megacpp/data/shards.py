@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from megacpp.data.corpus import Corpus, Document
 from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.errors import MegacppError
+from megacpp.fs import atomic_path, atomic_write_text, remove_stale_temporaries
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: each split records the sha256 of its token file
@@ -157,18 +157,14 @@ def _encoded(docs: list[Document], tok: CodeTokenizer, bar: tqdm) -> Iterator[li
 def _write_split(
     docs: list[Document], tok: CodeTokenizer, path: Path, dtype: np.dtype, bar: tqdm
 ) -> dict:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     lengths = []
     digest = hashlib.sha256()  # of the bytes as written, for the check at every load
-    with open(tmp, "wb") as f:
+    with atomic_path(path, fsync=True) as tmp, open(tmp, "wb") as f:
         for ids in _encoded(docs, tok, bar):
             data = np.array([tok.bos_id, *ids], dtype=dtype).tobytes()
             f.write(data)
             digest.update(data)
             lengths.append(len(ids) + 1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return {
@@ -182,19 +178,9 @@ def _write_split(
     }
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _tokenize_into(out_dir: Path, corpus: Corpus, tok: CodeTokenizer, progress: bool) -> None:
     (out_dir / MANIFEST).unlink(missing_ok=True)  # uncommit first: old manifest + new files never mix
-    for stale in out_dir.glob("*.tmp-*"):
-        stale.unlink()
+    remove_stale_temporaries(out_dir)
     dtype = token_dtype(tok.vocab_size)
     split_docs = {name: corpus.split(name) for name in SPLITS}
     total = sum(d.nbytes for docs in split_docs.values() for d in docs)
@@ -213,7 +199,7 @@ def _tokenize_into(out_dir: Path, corpus: Corpus, tok: CodeTokenizer, progress: 
         "token_bytes": tok.token_bytes().tolist(),
         "splits": splits,
     }
-    _write_json_atomic(out_dir / MANIFEST, manifest)
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest), fsync=True)
 
 
 def build_shards(

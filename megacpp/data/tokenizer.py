@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from megacpp.data.config import MIN_VOCAB_SIZE
 from megacpp.data.corpus import Corpus, Document
 from megacpp.errors import MegacppError
+from megacpp.fs import atomic_path
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
@@ -143,7 +143,6 @@ def train_tokenizer(
     tok.train_from_iterator(texts(), trainer=trainer, length=len(docs))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    tok.save(str(tmp))
-    os.replace(tmp, out_path)
+    with atomic_path(out_path) as tmp:
+        tok.save(str(tmp))
     return CodeTokenizer.from_file(out_path)

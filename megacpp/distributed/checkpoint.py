@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megacpp.distributed.context import DistContext
-from megacpp.train.checkpoint import (
+from megacpp.runtime.checkpoint import (
     MOMENTS_DIR,
     CheckpointError,
     checkpoint_dirs,

@@ -24,7 +24,7 @@ from torch.distributed import Store
 from megacpp.compile.versions import supports
 from megacpp.config import ConfigError
 from megacpp.distributed.config import DistConfig
-from megacpp.train.runtime import resolve_device
+from megacpp.runtime.device import resolve_device
 
 # NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
 # torch's `torchfrtrace`; the dump goes into the run directory. Users' own settings win.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacpp.compile import CompileHealth, CompileHealthError
+from megacpp.compile.health import CompileHealth, CompileHealthError
 from megacpp.distributed.context import DistContext
 from megacpp.distributed.parity import check_parity
 

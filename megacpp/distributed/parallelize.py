@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megacpp.compile import CompiledModel, compile_model
 from megacpp.compile.config import CompileConfig
+from megacpp.compile.regions import CompiledModel, compile_model
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import DistContext
 

@@ -10,10 +10,12 @@ import torch
 from megacpp.config import Config, from_dict
 from megacpp.data import Baselines, CodeTokenizer
 from megacpp.errors import UsageError
-from megacpp.infer.generate import generate_tokens, stream_text
 from megacpp.model.hybrid import HybridLM
-from megacpp.train.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
-from megacpp.train.runtime import resolve_device
+from megacpp.runtime.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
+from megacpp.runtime.data import build_data
+from megacpp.runtime.device import resolve_device
+from megacpp.runtime.evaluate import evaluate_bpb
+from megacpp.runtime.generate import generate_tokens, stream_text
 
 
 @dataclass
@@ -54,9 +56,6 @@ class Session:
 
     def evaluate(self, batches: int) -> tuple[float, Baselines]:
         """Bits per byte on `batches` validation batches, and the baselines of the same split."""
-        from megacpp.train.data_setup import build_data
-        from megacpp.train.loop import evaluate_bpb
-
         data_cfg = self.config.data
         data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
         data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)

@@ -7,17 +7,17 @@ keeps the compiled optimizer step free of DTensor dispatch.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import sys
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
-else:  # pragma: no cover - builds without torch.distributed
-    DTensor = None
+from torch import Tensor
 
 
 def is_sharded(t: Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # A DTensor exists only once torch.distributed.tensor was imported: looking the class up here
+    # instead of importing it with this module keeps `import megacpp.config` (and with it every CLI
+    # command) from loading DTensor and sympy, about a second.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def local_tensor(t: Tensor) -> Tensor:

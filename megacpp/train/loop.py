@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from megacpp.compile import CompileHealth, bounds_for, forbid_recompiles, prepare_compile
+from megacpp.compile.entry import prepare_compile
+from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.data import Baselines
@@ -46,18 +46,20 @@ from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.doctor import kernel_report
 from megacpp.errors import Interrupted, MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
-from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
+from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.optim import Muon, build_optimizers
 from megacpp.optim.local import local_tensor
+from megacpp.runtime.checkpoint import CheckpointError, check_compatible, read_meta
+from megacpp.runtime.data import build_data
+from megacpp.runtime.device import autocast_context, peak_flops
+from megacpp.runtime.evaluate import evaluate_bpb
+from megacpp.runtime.generate import generate_tokens, stream_text
 from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
-from megacpp.train.checkpoint import CheckpointError, check_compatible, read_meta
-from megacpp.train.data_setup import DataBundle, build_data
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
-from megacpp.train.runtime import autocast_context, peak_flops
 from megacpp.validate import validate_config
 
 
@@ -116,36 +118,6 @@ class TrainResult:
     rank: int = 0  # under torchrun only rank 0 reports
     device_type: str = "cpu"
     out_of_time: bool = False  # train.time_budget_s ended the run before train.steps
-
-
-@torch.no_grad()
-def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
-                 ctx: DistContext | None = None, micro_batch: int | None = None) -> float:
-    """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
-    (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the
-    same `max_batches` global batches and the sums are added over ranks. ``micro_batch`` runs each
-    batch in slices of that many rows (the training micro-batch: what fits in memory).
-
-    Runs eagerly (``force_eager``) so no-grad evaluation never compiles or recompiles a frame.
-    """
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
-    with torch.compiler.set_stance("force_eager"), autocast_context(device):
-        for batch in data.val_batches(max_batches):
-            # Special-token targets (document ends) stand for no bytes: excluded from both sums.
-            targets = batch.targets.masked_fill(batch.target_bytes == 0, IGNORE_INDEX)
-            for inputs, doc_ids, part_targets in micro_batches((batch.inputs, batch.doc_ids, targets),
-                                                               micro_batch or len(batch.inputs)):
-                logits = model(inputs, doc_ids=doc_ids)
-                sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), part_targets.flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum")
-            sums[1] += batch.target_bytes.sum()
-    model.train(was_training)
-    if ctx is not None:
-        ctx.all_reduce_(sums)
-    nats, n_bytes = sums.tolist()
-    return nats / math.log(2) / max(n_bytes, 1)
 
 
 def find_nonfinite_sublayer(model: nn.Module, x: Tensor, doc_ids: Tensor) -> str:
@@ -634,8 +606,6 @@ class Trainer:
     def sample_text(self) -> str:
         """Every rank decodes (a sharded model gathers weights collectively); rank 0's token choice is
         broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text."""
-        from megacpp.infer.generate import generate_tokens, stream_text
-
         tc = self.cfg.train
         tok = self.data.tokenizer
         prompt = [tok.bos_id, *tok.encode(tc.sample_prompt)]

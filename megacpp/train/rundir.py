@@ -17,7 +17,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from megacpp.errors import MegacppError
-from megacpp.train.checkpoint import checkpoint_root
+from megacpp.runtime.checkpoint import checkpoint_root
 
 LOCK_NAME = ".megacpp.lock"
 PREVIOUS_PREFIX = "previous-"

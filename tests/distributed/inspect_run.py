@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from megacpp.cli import build_config, build_parser
 from megacpp.distributed.checkpoint import full_model_state
 from megacpp.optim.local import is_sharded
-from megacpp.train.checkpoint import MOMENTS_DIR
+from megacpp.runtime.checkpoint import MOMENTS_DIR
 from megacpp.train.loop import Trainer
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from megacpp.compile import CompileConfig, forbid_recompiles, prepare_compile
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.entry import prepare_compile
+from megacpp.compile.health import forbid_recompiles
 from megacpp.config import Config
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import init_distributed

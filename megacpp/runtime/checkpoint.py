@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -31,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megacpp.errors import MegacppError
+from megacpp.fs import replace_dir
 
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 3  # 3: meta.json carries its own checksum; 2: optimizer moments by name in optim/
@@ -87,9 +87,7 @@ def _meta_digest(meta: dict[str, Any]) -> str:
 
 def publish(tmp: Path, final: Path, keep_last: int) -> Path:
     """Rename the finished `tmp` into place and prune to the newest `keep_last` usable checkpoints."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
     _prune(final, keep_last)
     return final
 

@@ -19,6 +19,7 @@ from megacpp.data import (
 )
 from megacpp.data.corpus import CorpusError, discover_corpus
 from megacpp.data.prepare import load_or_train_tokenizer
+from megacpp.fs import atomic_write_bytes
 
 
 @dataclass
@@ -71,5 +72,5 @@ def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
     if out is not None:
         out = out / "tokenizer.json" if out.suffix != ".json" else out
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(Path(tok.path).read_bytes())
+        atomic_write_bytes(out, Path(tok.path).read_bytes())
     return f"tokenizer {tok.hash[:12]}: vocab {tok.vocab_size}, {out or tok.path}"

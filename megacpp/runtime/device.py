@@ -1,15 +1,12 @@
-"""Device, precision and optimizer plumbing shared by train, eval and sample."""
+"""Device and precision choices shared by training, evaluation and sampling."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from megacpp.compile.versions import torch_version
-from megacpp.config import Config, ConfigError
-from megacpp.optim import OptimizerStack, build_optimizers
+from megacpp.config import ConfigError
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU rather than a guess.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -38,7 +35,3 @@ def peak_flops(device: torch.device) -> float | None:
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
-
-def build_optimizer_stack(model: nn.Module, cfg: Config, log: Callable[[str], None] | None = None
-                          ) -> OptimizerStack:
-    return build_optimizers(model, cfg.optim, total_steps=cfg.train.steps, log=log)

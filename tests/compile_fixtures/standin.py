@@ -1,4 +1,4 @@
-"""A small stand-in that follows the HybridLM contract, for compile tests and benchmarks.
+"""A small stand-in that follows the HybridLM contract, for compile tests and the compile benchmark.
 
 It has what matters to compile: ``model.blocks`` (an ``nn.ModuleList`` of residual blocks with
 ``kind``, ``norm``, ``mixer``, ``engram``), one mixer class per pattern symbol (A attention with
@@ -148,14 +148,6 @@ class StandInLM(nn.Module):
 
 
 def build_standin(pattern: str = "AMERF", vocab: int = 64, d_model: int = 32) -> StandInLM:
-    """Model factory (importable as ``megacpp.compile.standin:build_standin``)."""
+    """Model factory (importable as ``tests.compile_fixtures.standin:build_standin``)."""
     return StandInLM(pattern, vocab, d_model)
 
-
-def standin_batch(
-    vocab: int, batch: int, seq_len: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
-) -> dict[str, Tensor]:
-    """Random tokens, next-token targets and doc_ids with a document boundary inside every row."""
-    idx = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator).to(device)
-    doc_ids = (torch.arange(seq_len) >= seq_len // 3).long().expand(batch, seq_len).contiguous().to(device)
-    return {"idx": idx[:, :-1], "targets": idx[:, 1:], "doc_ids": doc_ids}

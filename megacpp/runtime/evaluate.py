@@ -1,0 +1,47 @@
+"""Validation bits per byte: the one evaluation of training, ``megacpp eval`` and every torchrun rank."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp.model.hybrid import IGNORE_INDEX
+from megacpp.runtime.data import DataBundle
+from megacpp.runtime.device import autocast_context
+
+if TYPE_CHECKING:  # the distributed layer sits above this package: typing only
+    from megacpp.distributed.context import DistContext
+
+
+@torch.no_grad()
+def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
+                 ctx: DistContext | None = None, micro_batch: int | None = None) -> float:
+    """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
+    (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the
+    same `max_batches` global batches and the sums are added over ranks. ``micro_batch`` runs each
+    batch in slices of that many rows (the training micro-batch: what fits in memory).
+
+    Runs eagerly (``force_eager``) so no-grad evaluation never compiles or recompiles a frame.
+    """
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
+    with torch.compiler.set_stance("force_eager"), autocast_context(device):
+        for batch in data.val_batches(max_batches):
+            # Special-token targets (document ends) stand for no bytes: excluded from both sums.
+            targets = batch.targets.masked_fill(batch.target_bytes == 0, IGNORE_INDEX)
+            rows = micro_batch or len(batch.inputs)
+            for start in range(0, len(batch.inputs), rows):
+                part = slice(start, start + rows)
+                logits = model(batch.inputs[part], doc_ids=batch.doc_ids[part])
+                sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets[part].flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+            sums[1] += batch.target_bytes.sum()
+    model.train(was_training)
+    if ctx is not None:
+        ctx.all_reduce_(sums)
+    nats, n_bytes = sums.tolist()
+    return nats / math.log(2) / max(n_bytes, 1)
