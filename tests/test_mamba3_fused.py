@@ -153,10 +153,14 @@ def _case_errors(case: tuple, seed: int) -> dict[str, tuple[float, float]]:
     return errors
 
 
+# The rerun and compile checks use a case with resets, an initial state and one chunk: cheap to interpret.
+CHECK_CASE = CASES[4]
+
+
 def _rerun_equal() -> bool:
-    inp, state, doc_ids, cot = _inputs(CASES[0], seed=11)
-    first = _triton_results(inp, state, doc_ids, cot, CASES[0][7])
-    second = _triton_results(inp, state, doc_ids, cot, CASES[0][7])
+    inp, state, doc_ids, cot = _inputs(CHECK_CASE, seed=11)
+    first = _triton_results(inp, state, doc_ids, cot, CHECK_CASE[7])
+    second = _triton_results(inp, state, doc_ids, cot, CHECK_CASE[7])
     return all(torch.equal(first[k], second[k]) for k in first)
 
 
@@ -165,8 +169,8 @@ def _compile_report() -> dict:
     kernels): graph breaks, and whether the results equal the eager Triton path's."""
     from torch._dynamo.utils import counters
 
-    inp, state, doc_ids, cot = _inputs(CASES[0], seed=12)
-    chunk = CASES[0][7]
+    inp, state, doc_ids, cot = _inputs(CHECK_CASE, seed=12)
+    chunk = CHECK_CASE[7]
 
     def scan(leaves: dict, init, doc_ids):
         return _triton(leaves, init, doc_ids, chunk)
@@ -197,9 +201,28 @@ def _opcheck() -> str:
     return "ok" if not failed else json.dumps(failed)
 
 
+def _mixer_errors() -> dict[str, tuple[float, float]]:
+    """The M mixer with scan_kernel "triton" against "reference" (both float32), output and parameter
+    gradients: the kernels read x, z, B and C as strided views of the in_proj output there."""
+    results = []
+    for kernel in ("reference", "triton"):
+        cfg = Mamba3Config(d_state=32, head_dim=16, n_groups=2, chunk_size=16, scan_kernel=kernel)
+        torch.manual_seed(30)
+        mixer = Mamba3(32, cfg, layer_idx=0)
+        with torch.no_grad():
+            for param in mixer.parameters():
+                param.add_(0.3 * torch.randn_like(param))
+        u = torch.randn(2, 41, 32, generator=torch.Generator().manual_seed(31))
+        y = mixer(u, _doc_ids(2, 41, 16))
+        grads = torch.autograd.grad(y.square().sum(), list(mixer.parameters()))
+        results.append({"y": y.detach(), **dict(zip([n for n, _ in mixer.named_parameters()], grads, strict=True))})
+    ref, got = results
+    return {k: ((got[k] - ref[k]).abs().max().item(), ref[k].abs().max().item()) for k in ref}
+
+
 def _report() -> None:
     """Subprocess entry point: prints every result as one JSON line."""
-    report = {"cases": {_case_id(c): _case_errors(c, seed) for seed, c in enumerate(CASES)},
+    report = {"cases": {_case_id(c): _case_errors(c, seed) for seed, c in enumerate(CASES)}, "mixer": _mixer_errors(),
               "rerun_equal": _rerun_equal(), "compile": _compile_report(), "opcheck": _opcheck()}
     print(json.dumps(report))
 
@@ -224,6 +247,13 @@ def test_tier3_triton_matches_sequential_reference_interpreted(report, case):
     if case[10] == "bfloat16":
         stored = {name for name, (_, _, dtype) in errors.items() if dtype == "torch.bfloat16"}
         assert stored == BF16_STORED  # the gradients come back in their inputs' dtypes
+
+
+def test_tier3_mixer_with_triton_kernel_matches_reference_interpreted(report):
+    errors = report["mixer"]
+    assert {"y", "in_proj.weight", "B_bias", "C_bias", "D", "dt_bias", "out_proj.weight"} <= set(errors)
+    for name, (err, scale) in errors.items():
+        assert err <= TOL * scale, f"{name}: max abs diff {err:.3g} > {TOL * scale:.3g}"
 
 
 def test_tier2_triton_rerun_bitwise_identical(report):

@@ -232,18 +232,23 @@ def _bwd_state_kernel(
 
 
 @triton.jit
-def _unrotate_store(ptr, row_off, gre, gro, cos, sin, cols_k, mask):
-    """Store dL/d(v + bias) from the gradients of the rotated halves (the transposed rotation)."""
+def _unrotate_store(ptr, row_off, bias_ptr, gre, gro, cos, sin, cols_k, mask, kmask):
+    """dL/d(v + bias) from the gradients of the rotated halves (the transposed rotation): stored per
+    token at ptr, and summed over the chunk's tokens at bias_ptr (this chunk's part of dL/dbias)."""
+    ge = tl.where(mask, gre * cos + gro * sin, 0.0)
+    go = tl.where(mask, gro * cos - gre * sin, 0.0)
     off = row_off[:, None] + 2 * cols_k[None, :]
-    tl.store(ptr + off, gre * cos + gro * sin, mask=mask)
-    tl.store(ptr + off + 1, gro * cos - gre * sin, mask=mask)
+    tl.store(ptr + off, ge, mask=mask)
+    tl.store(ptr + off + 1, go, mask=mask)
+    tl.store(bias_ptr + 2 * cols_k, tl.sum(ge, 0), mask=kmask)
+    tl.store(bias_ptr + 2 * cols_k + 1, tl.sum(go, 0), mask=kmask)
 
 
 @triton.jit
 def _bwd_chunk_kernel(
     x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
     states_ptr, gstates_ptr, gy_ptr,
-    gx_ptr, gz_ptr, gB_ptr, gC_ptr, gth_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr,
+    gx_ptr, gz_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr,
     T, H, REP, NC,
     sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
@@ -317,9 +322,10 @@ def _bwd_chunk_kernel(
     # d(angle) = dRe * (-Ro) + dRo * Re for each rotated pair, B's and C's.
     gth = gbo * be - gbe * bo + gco * ce - gce * co
     tl.store(gth_ptr + tok[:, None] * NA + cols_k[None, :], gth, mask=valid[:, None] & amask[None, :])
-    # Per-head gradients of (v + bias), (b, t, h, n): summed over the heads of a group afterwards.
-    _unrotate_store(gB_ptr, tok * N, gbe, gbo, cos, sin, cols_k, vmask_k)
-    _unrotate_store(gC_ptr, tok * N, gce, gco, cos, sin, cols_k, vmask_k)
+    # Per-head gradients of (v + bias), (b, t, h, n), summed over the heads of a group afterwards; the
+    # biases' per-chunk parts (b, h, chunks, n) are summed over batch and chunks afterwards.
+    _unrotate_store(gB_ptr, tok * N, gBb_ptr + (bh * NC + c) * N, gbe, gbo, cos, sin, cols_k, vmask_k, kmask)
+    _unrotate_store(gC_ptr, tok * N, gCb_ptr + (bh * NC + c) * N, gce, gco, cos, sin, cols_k, vmask_k, kmask)
 
     # Decay weights: W = M (σ below the diagonal, γ on it), q, e and qL are exponentials of the
     # cumulative log-decay A; dL/dA is accumulated, then dL/da_k = Σ_{i >= k} dL/dA_i.
@@ -421,18 +427,21 @@ def fused_bwd(
     grad_C_heads = x.new_empty(b, t, h, n, dtype=f32)
     grad_theta = torch.empty_like(theta, dtype=f32)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
+    grad_B_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
+    grad_C_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     grad_D_parts = x.new_empty(b, h, nc, dtype=f32)
     _bwd_chunk_kernel[(nc, b * h)](
         x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_states, grad_y,
-        grad_x, grad_z, grad_B_heads, grad_C_heads, grad_theta, grad_ld, grad_sig, grad_gam, grad_D_parts,
+        grad_x, grad_z, grad_B_heads, grad_C_heads, grad_B_bias_parts, grad_C_bias_parts, grad_theta, grad_ld,
+        grad_sig, grad_gam, grad_D_parts,
         t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3], **shapes,
     )
-    # Fixed-order reductions (no atomics): heads of a group, then batch and time for the per-head biases.
-    grad_B = grad_B_heads.view(b, t, g, h // g, n).sum(3)
-    grad_C = grad_C_heads.view(b, t, g, h // g, n).sum(3)
+    # Fixed-order reductions (no atomics): the heads of each group; batch and chunks for the per-head
+    # biases and D.
+    grad_B, grad_C = (v if g == h else v.view(b, t, g, h // g, n).sum(3) for v in (grad_B_heads, grad_C_heads))
     return (
         grad_x, grad_z, grad_B.to(B.dtype), grad_C.to(C.dtype),
-        grad_B_heads.sum((0, 1)).to(B_bias.dtype), grad_C_heads.sum((0, 1)).to(C_bias.dtype),
+        grad_B_bias_parts.sum((0, 2)).to(B_bias.dtype), grad_C_bias_parts.sum((0, 2)).to(C_bias.dtype),
         grad_theta.to(theta.dtype), grad_ld.to(log_decay.dtype), grad_sig.to(sigma.dtype),
         grad_gam.to(gamma.dtype), grad_D_parts.sum((0, 2)).to(D.dtype), grad_init,
     )
