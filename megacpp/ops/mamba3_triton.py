@@ -29,9 +29,9 @@ Kernels:
   and writes it at every chunk boundary, and dL/d(initial state).
 - `_bwd_chunk_kernel`, grid (chunks, batch * heads): every other gradient of one chunk from its
   entering state and the gradient of its exit state; chunks are independent here.
-Per-head gradients of the group-shared B and C (and their biases) are written per head and summed in
-PyTorch afterwards in a fixed order, as is dL/dD (per chunk partials): no atomics anywhere, so every
-result is run-to-run deterministic.
+Gradients of the group-shared B and C are written per head and summed over each group's heads in
+PyTorch afterwards, in a fixed order; the biases' and D's are per-chunk partials summed over batch and
+chunks the same way: no atomics anywhere, so every result is run-to-run deterministic.
 
 Matmul operands: fp32 ("ieee", or "tf32" when torch allows TF32 for fp32 matmuls, as the reference's
 einsums would use), or bf16/fp16 when the caller asks for activation-dtype matmuls (the mixer's
@@ -47,6 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 _MM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(a) = exp2(a * log2(e))
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def _chunk_decays(ld_ptr, tok, valid, L: tl.constexpr):
     e (L,), the whole chunk's qL (scalar) and a mask of the starts."""
     ld = tl.load(ld_ptr + tok, mask=valid, other=0.0)
     start = ld == float("-inf")
-    a2 = tl.where(start, 0.0, ld) * 1.4426950408889634
+    a2 = tl.where(start, 0.0, ld) * LOG2E
     A = tl.cumsum(a2, 0)
     seg = tl.cumsum(start.to(tl.int32), 0)
     total = tl.sum(a2, 0)
@@ -105,6 +106,7 @@ def _decay_matrix(A, seg, rows):
 
 @triton.jit
 def _load_state(ptr, base, rows_p, cols_k, smask, N: tl.constexpr):
+    """Even and odd column halves of the row-major (p, n) state at ptr + base, in fp32."""
     off = base + rows_p[:, None] * N + 2 * cols_k[None, :]
     return (tl.load(ptr + off, mask=smask, other=0.0).to(tl.float32),
             tl.load(ptr + off + 1, mask=smask, other=0.0).to(tl.float32))
@@ -112,6 +114,7 @@ def _load_state(ptr, base, rows_p, cols_k, smask, N: tl.constexpr):
 
 @triton.jit
 def _store_state(ptr, base, he, ho, rows_p, cols_k, smask, N: tl.constexpr):
+    """Write the two column halves back as a row-major (p, n) state at ptr + base."""
     off = base + rows_p[:, None] * N + 2 * cols_k[None, :]
     tl.store(ptr + off, he, mask=smask)
     tl.store(ptr + off + 1, ho, mask=smask)
