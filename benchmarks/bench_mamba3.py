@@ -14,9 +14,9 @@ reference, then the M mixer's forward + backward time for each scan implementati
    bitwise identical results (the backward has no atomics).
 2. Speed: the M mixer (d_model --d-model, small's Mamba3Config), forward + backward under bf16
    autocast, compiled like a `blocks` run, CUDA events, warmup then the median of --iters runs, for
-   the reference scan (scan_matmuls fp32 and activation) and the Triton scan (both settings), with
-   and without documents; mamba_ssm's Mamba3 SISO layer in the same process when it imports. Prints a
-   table last.
+   the reference scan (scan_matmuls fp32 and activation) and the Triton scan (both settings; with
+   documents and eager for bf16), and mamba_ssm's Mamba3 SISO layer in the same process when it
+   imports. `--only Triton` (words of the variant names) times a subset. Prints a table last.
 """
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ from megacpp.ops.mamba3_fused import mamba3_fused_scan
 
 SMALL = Mamba3Config(d_state=128, expand=2, head_dim=64, n_groups=1, chunk_size=64)
 F32_BOUND = 1e-4
+# (name, scan_kernel, scan_matmuls, with 512-token documents, compiled)
+VARIANTS = [
+    ("reference scan, fp32 matmuls, compiled", "reference", "fp32", False, True),
+    ("reference scan, bf16 matmuls, compiled", "reference", "activation", False, True),
+    ("Triton scan, fp32 matmuls, compiled", "triton", "fp32", False, True),
+    ("Triton scan, bf16 matmuls, compiled", "triton", "activation", False, True),
+    ("Triton scan, bf16 matmuls, compiled, doc_ids", "triton", "activation", True, True),
+    ("Triton scan, bf16 matmuls, eager", "triton", "activation", False, False),
+]
 BF16_BOUND = 4 * 2.0**-8
 
 
@@ -117,6 +126,7 @@ def main() -> None:
     p.add_argument("--check-seq", type=int, default=1000)
     p.add_argument("--doc-len", type=int, default=300, help="document length of the doc_ids rows")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--only", nargs="*", help="time only the variants whose name contains one of these words")
     args = p.parse_args()
     dev = torch.device("cuda")
     if not args.skip_check:
@@ -139,25 +149,23 @@ def main() -> None:
         rows.append((name, ms, breaks, torch.cuda.max_memory_allocated() / 2**30))
         print(f"{name}: {ms:.2f} ms (graph breaks {breaks})", flush=True)
 
-    variants = [("reference scan, fp32 matmuls", "reference", "fp32"),
-                ("reference scan, bf16 matmuls", "reference", "activation"),
-                ("Triton scan, fp32 matmuls", "triton", "fp32"),
-                ("Triton scan, bf16 matmuls", "triton", "activation")]
-    for name, kernel, matmuls in variants:
+    def wanted(name: str) -> bool:
+        return not args.only or any(word in name for word in args.only)
+
+    for name, kernel, matmuls, docs, compiled in VARIANTS:
+        if not wanted(name):
+            continue
         cfg = dataclasses.replace(SMALL, scan_kernel=kernel, scan_matmuls=matmuls)
         torch.manual_seed(0)
-        run(f"M {name}, compiled", Mamba3(d, cfg, 0), None, True)
-        if kernel == "triton":
-            torch.manual_seed(0)
-            run(f"M {name}, compiled, doc_ids", Mamba3(d, cfg, 0), doc_ids, True)
-            torch.manual_seed(0)
-            run(f"M {name}, eager", Mamba3(d, cfg, 0), None, False)
+        run(f"M {name}", Mamba3(d, cfg, 0), doc_ids if docs else None, compiled)
+    peer = "mamba_ssm Mamba3 (Triton), eager"
     try:
         from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
     except Exception as exc:  # the peer is optional: say why it is missing
-        print(f"mamba_ssm Mamba3 not timed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{peer}: not timed, {type(exc).__name__}: {exc}", file=sys.stderr)
     else:
-        run("M mamba_ssm Mamba3 (Triton), eager", PeerMamba3(**config_to_mamba_ssm(d, SMALL), device=dev), None, False)
+        if wanted(peer):
+            run(f"M {peer}", PeerMamba3(**config_to_mamba_ssm(d, SMALL), device=dev), None, False)
 
     tokens = b * t
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | M mixer d_model {d}, B{b} x T{t}, "
