@@ -304,6 +304,7 @@ def test_tier1_auto_on_cpu_is_the_reference(monkeypatch):
         raise AssertionError("the Triton path was taken on CPU")
 
     monkeypatch.setattr(mamba3_fused, "_triton_scan", no_triton)
+    monkeypatch.setattr(mamba3_fused, "_INTERPRETED", True)  # not even under the interpreter
     inp = _mixer_inputs(2, 19, 2, 1, 8, 16, 4, seed=21)
     doc_ids = _doc_ids(2, 19, 8)
     for kernel in ("auto", "reference"):

@@ -137,7 +137,8 @@ def mamba3_fused_scan(
     if kernel not in get_args(ScanKernel):
         raise ScanKernelError(f"mamba3_fused_scan: kernel must be one of {get_args(ScanKernel)}, got {kernel!r}")
     args = (x, z, B, C, B_bias, C_bias, theta, adt, dt, lam, D)
-    if kernel != "reference":
+    # "auto" means CUDA only: the interpreter must never take over the CPU default path.
+    if kernel == "triton" or (kernel == "auto" and x.device.type == "cuda"):
         reason = triton_unsupported_reason(*args, initial_state, chunk_size, matmul_dtype)
         if reason is None:
             return _triton_scan(*args, doc_ids, initial_state, chunk_size, return_final_state, matmul_dtype)
