@@ -75,12 +75,15 @@ def kernel_report() -> list[str]:
     triton = package_version("triton")
     rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
                                          else "not used (CPU or not installed)"))
-    from megacpp.ops import m2rnn_scan
+    from megacpp.ops import m2rnn_scan, mamba3_fused
 
     fused = m2rnn_scan.m2rnn_triton is not None and torch.cuda.is_available()
     rows.append("m2rnn_scan: " + ("fused Triton kernels on CUDA (reference for unsupported sizes)" if fused
                                   else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
-    rows.append("mamba3_scan: pure-PyTorch chunked reference, compiled with its block (no fused kernel yet)")
+    fused = mamba3_fused.mamba3_triton is not None and torch.cuda.is_available()
+    rows.append("mamba3 scan: " + ("fused Triton kernels on CUDA (model.mamba.scan_kernel auto/triton; reference for "
+                                   "unsupported sizes under auto)" if fused
+                                   else "pure-PyTorch chunked reference (no CUDA or no triton)"))
     return rows
 
 

@@ -30,6 +30,7 @@ from megacpp.errors import MegacppError
 from megacpp.model.mamba3 import num_rope_angles
 from megacpp.model.moe import grouped_dispatch_problem
 from megacpp.model.pattern import PatternError, expand_pattern, validate_pattern
+from megacpp.ops.mamba3_fused import triton_size_reason
 from megacpp.optim.schedule import WarmupStableDecay
 
 # ---------------------------------------------------------------- keys, values and their sources
@@ -267,6 +268,19 @@ def _mamba_rope_angles(k: _Keys) -> None:
                             "rope_fraction * d_state must cover at least one pair of state dimensions (>= 2)")
 
 
+def _mamba_triton_sizes(k: _Keys) -> None:
+    """scan_kernel "triton" asks for the fused kernels, which support a range of sizes; "auto" would fall
+    back to the reference silently, an explicit request should fail before the first forward instead."""
+    if not k.uses("M") or k.value("model.mamba.scan_kernel") != "triton":
+        return
+    d_state = k.value("model.mamba.d_state")
+    n_angles = num_rope_angles(d_state, k.value("model.mamba.rope_fraction"))
+    reason = triton_size_reason(k.value("model.mamba.head_dim"), d_state, n_angles, k.value("model.mamba.chunk_size"))
+    if reason is not None:
+        raise k.error_among(("model.mamba.scan_kernel", "model.mamba.chunk_size", "model.mamba.d_state",
+                             "model.mamba.head_dim"), f"the Triton scan kernels do not support this size: {reason}")
+
+
 def _check_ordered(k: _Keys, low_key: str, high_key: str) -> None:
     if k.value(low_key) > k.value(high_key):
         low, high = low_key.rsplit(".", 1)[1], high_key.rsplit(".", 1)[1]
@@ -413,6 +427,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _mamba_heads_fit,
         _mamba_groups_divide,
         _mamba_rope_angles,
+        _mamba_triton_sizes,
         _mamba_dt_range,
         _moe_top_k,
         _moe_grouped_dispatch,

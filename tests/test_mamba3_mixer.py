@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from megacpp.model.hints import collect_param_hints
-from megacpp.model.mamba3 import Mamba3, Mamba3Config, _rotate, _segmented_cumsum
+from megacpp.model.mamba3 import Mamba3, Mamba3Config, _segmented_cumsum
 from megacpp.model.mamba3_convert import (
     config_from_mamba_ssm,
     config_to_mamba_ssm,
     from_mamba_ssm,
     to_mamba_ssm,
 )
+from megacpp.ops.mamba3_fused import rotate_pairs
 from tests.helpers import assert_close_scaled, documents, spans
 
 F32_TOL = 1e-4
@@ -89,7 +90,7 @@ def test_tier3_rotation_is_complex_multiplication_of_interleaved_pairs():
     gen = torch.Generator().manual_seed(31)
     v = torch.randn(3, 8, dtype=torch.float64, generator=gen)
     theta = torch.randn(3, 2, dtype=torch.float64, generator=gen)
-    out = _rotate(v, theta)
+    out = rotate_pairs(v, theta)
     pairs = torch.view_as_complex(v[:, :4].reshape(3, 2, 2).contiguous())
     expected = torch.view_as_real(pairs * torch.polar(torch.ones_like(theta), theta)).reshape(3, 4)
     assert_close_scaled(out[:, :4], expected, 1e-12)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
-from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_scan, mamba3_step
+from megacpp.ops.mamba3_fused import ScanKernel, biased_heads, mamba3_fused_scan, rotate_pairs
+from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_step
 
 ScanMatmuls = Literal["fp32", "activation"]
 
@@ -35,6 +36,10 @@ class Mamba3Config:
     # Operand dtype of the scan's large matmuls: "fp32" (exact path), or "activation" (bf16 under bf16
     # autocast, like mamba_ssm's kernels; fp32 accumulation either way). See docs/mamba3.md.
     scan_matmuls: ScanMatmuls = "fp32"
+    # Implementation of the fused scan (megacpp/ops/mamba3_fused.py): "auto" runs the Triton kernels on
+    # CUDA tensors they support and the pure-PyTorch reference elsewhere (CPU always); "reference" and
+    # "triton" force one ("triton" fails where it cannot run).
+    scan_kernel: ScanKernel = "auto"
 
 
 def num_rope_angles(d_state: int, rope_fraction: float) -> int:
@@ -46,8 +51,8 @@ def num_rope_angles(d_state: int, rope_fraction: float) -> int:
 class _Projected(NamedTuple):
     z: Tensor  # (b, t, h, p), activation dtype
     x: Tensor  # (b, t, h, p), activation dtype
-    B: Tensor  # (b, t, h, n) fp32, normed and biased, not yet rotated
-    C: Tensor  # (b, t, h, n)
+    B: Tensor  # (b, t, g, n) fp32 per group, normed; the per-head bias and rotation come in the scan
+    C: Tensor  # (b, t, g, n)
     adt: Tensor  # (b, t, h) fp32
     dt: Tensor  # (b, t, h)
     lam: Tensor  # (b, t, h)
@@ -69,9 +74,10 @@ class Mamba3(nn.Module):
         self.n_heads = self.d_inner // cfg.head_dim
         if self.n_heads % cfg.n_groups:
             raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_groups = {cfg.n_groups}")
-        if cfg.scan_matmuls not in get_args(ScanMatmuls):
-            raise ValueError(f"Mamba3Config.scan_matmuls must be one of {get_args(ScanMatmuls)}, "
-                             f"got {cfg.scan_matmuls!r}")
+        for name, choices in (("scan_matmuls", ScanMatmuls), ("scan_kernel", ScanKernel)):
+            if getattr(cfg, name) not in get_args(choices):
+                raise ValueError(f"Mamba3Config.{name} must be one of {get_args(choices)}, "
+                                 f"got {getattr(cfg, name)!r}")
         self.n_angles = num_rope_angles(cfg.d_state, cfg.rope_fraction)
         if self.n_angles < 1:
             raise ValueError("rope_fraction * d_state must cover at least one pair of state dimensions")
@@ -81,7 +87,7 @@ class Mamba3(nn.Module):
                             self.n_angles)
         self.in_proj = nn.Linear(d_model, sum(self.split_sizes), bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
-        # B/C are per group but their biases are per head (as in mamba_ssm): B, C become per head here.
+        # B/C are per group but their biases are per head (as in mamba_ssm): the scan adds them per head.
         self.B_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
         self.C_bias = nn.Parameter(torch.empty(self.n_heads, cfg.d_state))
         self.B_norm = nn.RMSNorm(cfg.d_state, eps=cfg.norm_eps)
@@ -108,15 +114,10 @@ class Mamba3(nn.Module):
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         proj = self._project(x)
         theta = _segmented_cumsum(proj.angle_step, doc_ids)
-        B, C = _rotate(proj.B, theta), _rotate(proj.C, theta)
-        matmul_dtype = None
-        if self.cfg.scan_matmuls == "activation":
-            # B and C enter the matmuls rounded anyway: rounding them here halves what is saved for backward.
-            matmul_dtype = proj.x.dtype
-            B, C = B.to(matmul_dtype), C.to(matmul_dtype)
-        y = mamba3_scan(
-            proj.x, B, C, proj.adt, proj.dt, proj.lam, D=self.D, z=proj.z, doc_ids=doc_ids,
-            chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype,
+        matmul_dtype = proj.x.dtype if self.cfg.scan_matmuls == "activation" else None
+        y = mamba3_fused_scan(
+            proj.x, proj.z, proj.B, proj.C, self.B_bias, self.C_bias, theta, proj.adt, proj.dt, proj.lam, self.D,
+            doc_ids=doc_ids, chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype, kernel=self.cfg.scan_kernel,
         )
         return self.out_proj(y.flatten(2))
 
@@ -137,8 +138,10 @@ class Mamba3(nn.Module):
         proj = self._project(x)
         angle = torch.remainder(cache["angle"] + proj.angle_step[:, 0], 2 * math.pi)
         state = (cache["H"], cache["B_prev"], cache["x_prev"])
+        B = rotate_pairs(biased_heads(proj.B[:, 0], self.B_bias), angle)
+        C = rotate_pairs(biased_heads(proj.C[:, 0], self.C_bias), angle)
         y, (H, B, x_last) = mamba3_step(
-            proj.x[:, 0], _rotate(proj.B[:, 0], angle), _rotate(proj.C[:, 0], angle),
+            proj.x[:, 0], B, C,
             proj.adt[:, 0], proj.dt[:, 0], proj.lam[:, 0], state, D=self.D, z=proj.z[:, 0],
         )
         for key, value in (("angle", angle), ("H", H), ("B_prev", B), ("x_prev", x_last)):
@@ -155,27 +158,14 @@ class Mamba3(nn.Module):
         return _Projected(
             z=z.view(b, t, h, p),
             x=x.view(b, t, h, p),
-            B=self._per_head(self.B_norm(B.float().view(b, t, g, n))) + self.B_bias,
-            C=self._per_head(self.C_norm(C.float().view(b, t, g, n))) + self.C_bias,
+            B=self.B_norm(B.float().view(b, t, g, n)),
+            C=self.C_norm(C.float().view(b, t, g, n)),
             adt=A * dt,
             dt=dt,
             lam=torch.sigmoid(trap.float()),
             angle_step=angle_step,
         )
 
-    def _per_head(self, v: Tensor) -> Tensor:
-        """(b, t, g, n) -> (b, t, h, n): head i reads group i // (h // g)."""
-        return v.repeat_interleave(self.n_heads // self.cfg.n_groups, dim=2)
-
-
-def _rotate(v: Tensor, theta: Tensor) -> Tensor:
-    """Rotate the interleaved pairs (2i, 2i+1), i < theta.shape[-1], of v's last dim by theta[..., i]."""
-    k = theta.shape[-1]
-    pairs = v[..., : 2 * k].unflatten(-1, (k, 2))
-    v0, v1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = theta.cos(), theta.sin()
-    rotated = torch.stack((v0 * cos - v1 * sin, v0 * sin + v1 * cos), dim=-1).flatten(-2)
-    return torch.cat((rotated, v[..., 2 * k :]), dim=-1)
 
 
 def _segmented_cumsum(step: Tensor, doc_ids: Tensor | None) -> Tensor:
