@@ -36,6 +36,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
 from megacpp.compile.versions import supports
+from megacpp.config import apply_overrides
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import Block, HybridLM
 from megacpp.model.moe import MoE
@@ -242,14 +243,14 @@ def bench_whole_steps(cfg, label: str, b: int, t: int, iters: int, dev: torch.de
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = HybridLM(cfg.model).to(dev)
-    compiled = compile_model(model, cfg.compile)
+    compile_model(model, cfg.compile)  # in place: the regions of cfg.compile.mode
     stack = build_optimizers(model, cfg.optim, total_steps=10_000, log=None)
     idx, targets = (torch.randint(0, cfg.model.vocab_size, (b, t), device=dev) for _ in range(2))
     docs = documents(b, t, dev)
 
     def train_step() -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = compiled(idx, targets, docs)
+            loss = model(idx, targets, docs)
         loss.backward()
         stack.step()
         run_after_optimizer_step(model)
@@ -286,7 +287,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--parts", default="anchors,sublayers,experts,head,optimizer,small,dense",
-                   help="comma-separated subset of the default")
+                   help="comma-separated subset of the default, measured in the order given")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every megacpp row, e.g. --set model.mamba.scan_kernel=reference")
     p.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run of the script)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     args = p.parse_args()
@@ -294,38 +297,38 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     apply_policy(CompileConfig())
-    cfg = preset("small")
+    cfg = apply_overrides(preset("small"), [tuple(kv.split("=", 1)) for kv in args.set])
     cfg.model.vocab_size = cfg.data.vocab_size
     if args.quick:
         shrink(cfg)
         args.batch, args.seq, args.iters = 2, 64, 3
-    parts = args.parts.split(",")
     rows: list[Row] = []
-    if "anchors" in parts:
-        rows += bench_nanochat(args.batch, args.seq, args.iters, dev)
-        torch.cuda.empty_cache()
-        rows += bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev)
-    if "sublayers" in parts:
-        rows += bench_sublayers(cfg, args.batch, args.seq, args.iters, dev)
-    if "experts" in parts:
-        rows += bench_experts(cfg, cfg.model.d_model, args.batch, args.seq, args.iters, dev)
-    if "head" in parts or "optimizer" in parts:
+
+    def head_and_optimizer(parts: set[str]) -> list[Row]:
         torch.manual_seed(0)
         model = HybridLM(cfg.model).to(dev)
-        n_params = sum(p.numel() for p in model.parameters())
+        found = []
         if "optimizer" in parts:  # before the head's compile_model replaces model.loss
-            rows += bench_optimizer(model, cfg, args.iters, dev)
+            found += bench_optimizer(model, cfg, args.iters, dev)
         if "head" in parts:
-            rows += bench_head(model, args.batch, args.seq, args.iters, dev)
-        print(f"small: {n_params / 1e6:.1f}M parameters", flush=True)
-        del model
+            found += bench_head(model, args.batch, args.seq, args.iters, dev)
+        print(f"small: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
+        return found
+
+    dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pattern="AF"))
+    measure = {
+        "anchors": lambda: bench_nanochat(args.batch, args.seq, args.iters, dev)
+        + bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev),
+        "sublayers": lambda: bench_sublayers(cfg, args.batch, args.seq, args.iters, dev),
+        "experts": lambda: bench_experts(cfg, cfg.model.d_model, args.batch, args.seq, args.iters, dev),
+        "optimizer": lambda: head_and_optimizer({"optimizer"}),
+        "head": lambda: head_and_optimizer({"head"}),
+        "small": lambda: bench_whole_steps(cfg, "small", args.batch, args.seq, args.iters, dev),
+        "dense": lambda: bench_whole_steps(dense, "dense (small, pattern AF)", args.batch, args.seq, args.iters, dev),
+    }
+    for part in args.parts.split(","):  # in the order given: the first parts survive a cut-off call
+        rows += measure[part]()
         torch.cuda.empty_cache()
-    if "small" in parts:
-        rows += bench_whole_steps(cfg, "small", args.batch, args.seq, args.iters, dev)
-        torch.cuda.empty_cache()
-    if "dense" in parts:
-        dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pattern="AF"))
-        rows += bench_whole_steps(dense, "dense (small, pattern AF)", args.batch, args.seq, args.iters, dev)
 
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     sizes = "toy sizes (--quick)" if args.quick else "small's shapes"

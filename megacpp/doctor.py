@@ -81,9 +81,9 @@ def kernel_report() -> list[str]:
     rows.append("m2rnn_scan: " + ("fused Triton kernels on CUDA (reference for unsupported sizes)" if fused
                                   else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
     fused = mamba3_fused.mamba3_triton is not None and torch.cuda.is_available()
-    rows.append("mamba3 scan: " + ("fused Triton kernels on CUDA (model.mamba.scan_kernel auto/triton; reference for "
-                                   "unsupported sizes under auto)" if fused
-                                   else "pure-PyTorch chunked reference (no CUDA or no triton)"))
+    rows.append("mamba3 scan: pure-PyTorch chunked reference by default; " + (
+        "fused Triton kernels available on CUDA (model.mamba.scan_kernel = auto or triton)" if fused
+        else "no fused kernels here (no CUDA or no triton)"))
     return rows
 
 

@@ -38,8 +38,10 @@ class Mamba3Config:
     scan_matmuls: ScanMatmuls = "fp32"
     # Implementation of the fused scan (megacpp/ops/mamba3_fused.py): "auto" runs the Triton kernels on
     # CUDA tensors they support and the pure-PyTorch reference elsewhere (CPU always); "reference" and
-    # "triton" force one ("triton" fails where it cannot run).
-    scan_kernel: ScanKernel = "auto"
+    # "triton" force one ("triton" fails where it cannot run). The default stays "reference" until the
+    # kernels beat it: at small's sizes on an H200 the compiled M sublayer took 25.2 ms with them and
+    # 14.2 ms with the reference (BENCHMARKS.md, issue-12 table).
+    scan_kernel: ScanKernel = "reference"
 
 
 def num_rope_angles(d_state: int, rope_fraction: float) -> int:
