@@ -35,6 +35,9 @@ def _drive(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int, h
 def fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps the global counters
+    # ... and the metrics log, a bounded deque: after the earlier tests' compiles, new entries push old
+    # recompile records out, so a count taken across this test could even fall.
+    torch._dynamo.utils.clear_compilation_metrics()
     with torch._dynamo.config.patch(error_on_recompile=True):
         yield
     torch._dynamo.reset()
