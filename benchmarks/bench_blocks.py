@@ -13,17 +13,13 @@ import sys
 
 import torch
 import torch._dynamo
-from timing import fwd_bwd_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
 from torch import nn
 
 from megacpp.model.attention import Attention, AttentionConfig
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
 from megacpp.model.moe import MoE, MoEConfig
-
-
-def graph_breaks() -> int:
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def main() -> None:

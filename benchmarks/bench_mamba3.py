@@ -26,7 +26,7 @@ import sys
 
 import torch
 import torch._dynamo
-from timing import fwd_bwd_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
@@ -110,10 +110,6 @@ def check(args: argparse.Namespace, dev: torch.device) -> None:
         second = results("triton", inp, state, doc_ids, cot, chunk, mm)
         same = all(torch.equal(first[k], second[k]) for k in first)
         print(f"    triton rerun bitwise identical: {'yes' if same else 'NO'}")
-
-
-def graph_breaks() -> int:
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def main() -> None:

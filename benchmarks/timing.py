@@ -40,3 +40,10 @@ def fwd_bwd_ms(module: nn.Module, *inputs: torch.Tensor, warmup: int = 3, iters:
         out.float().sum().backward()
 
     return median_ms(step, inputs[0].device, warmup, iters)
+
+
+def graph_breaks() -> int:
+    """Graph breaks Dynamo has counted since its counters were last cleared."""
+    import torch._dynamo
+
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
