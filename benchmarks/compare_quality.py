@@ -8,6 +8,9 @@ Each argument is a run directory (its metrics.jsonl is read), optionally labelle
 must have been trained by a megacpp with issue 13's metrics (val records with `tokens` and
 `elapsed_s`, a `baselines` record). Prints one row per run: the best and the last validation figure
 with the tokens and seconds to reach them, and the baselines (the same for runs on the same data).
+Then the runs side by side at equal budgets: each run's last evaluation within the token count, and
+within the training time, of the run that got least far. Training time is wall time after the first
+step (its compilation differs between models and is not what is compared); evaluations count.
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ class Run:
     seconds: list[float]
     bpb: list[float]
     baselines: dict | None
+    first_step_s: float  # wall time at the end of step 1 (compilation), 0 if the run did not record it
+
+    @property
+    def training_seconds(self) -> list[float]:
+        return [s - self.first_step_s for s in self.seconds]
 
 
 def load_run(arg: str) -> Run:
@@ -39,15 +47,16 @@ def load_run(arg: str) -> Run:
     val = [r for r in records if r["kind"] == "val" and "tokens" in r and "elapsed_s" in r]
     if not val:
         raise SystemExit(f"{path}: no validation records with tokens and elapsed_s (a run before issue 13?)")
+    first = [r["elapsed_s"] for r in records if r["kind"] == "train" and r["step"] == 1 and "elapsed_s" in r]
     return Run(label or path.name, [r["tokens"] for r in val], [r["elapsed_s"] for r in val],
-               [r["val_bpb"] for r in val], baselines_of(records))
+               [r["val_bpb"] for r in val], baselines_of(records), first[-1] if first else 0.0)
 
 
 def plot(runs: list[Run], out: Path) -> None:
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for run in runs:
         by_tokens.plot([t / 1e6 for t in run.tokens], run.bpb, marker="o", ms=3, label=run.label)
-        by_time.plot([s / 60 for s in run.seconds], run.bpb, marker="o", ms=3, label=run.label)
+        by_time.plot([s / 60 for s in run.training_seconds], run.bpb, marker="o", ms=3, label=run.label)
     figures = {run.label: tuple(run.baselines.get(k) for k, _, _ in BASELINE_LINES)
                for run in runs if run.baselines is not None}
     several = len(set(figures.values())) > 1  # runs on other data: name the run each line belongs to
@@ -63,7 +72,7 @@ def plot(runs: list[Run], out: Path) -> None:
             by_time.axhline(value, color="gray", ls=style, lw=1,
                             label=f"{text} {value:.3f}" + (f" ({label})" if several else ""))
     by_tokens.set(xlabel="tokens trained (millions)", ylabel="validation bits per byte", title="per token")
-    by_time.set(xlabel="wall time (minutes, compilation and evaluation included)", title="per minute")
+    by_time.set(xlabel="wall time after the first step (minutes; evaluation included)", title="per minute")
     for ax in (by_tokens, by_time):
         ax.grid(alpha=0.3)
     by_tokens.legend()
@@ -86,6 +95,25 @@ def table(runs: list[Run]) -> str:
     return "\n".join(rows)
 
 
+def at_budget(run: Run, spent: list[float], budget: float) -> tuple[float, float] | None:
+    """(bpb, spent) of the run's last evaluation within `budget`, or None if it has none."""
+    within = [i for i, value in enumerate(spent) if value <= budget]
+    return (run.bpb[within[-1]], spent[within[-1]]) if within else None
+
+
+def equal_budgets(runs: list[Run]) -> str:
+    tokens = min(run.tokens[-1] for run in runs)
+    seconds = min(run.training_seconds[-1] for run in runs)
+    rows = [f"| run | val bpb within {tokens:,} tokens | at tokens | val bpb within {seconds:.0f} s of training "
+            "| at s |", "|---|---|---|---|---|"]
+    for run in runs:
+        by_tokens = at_budget(run, [float(t) for t in run.tokens], tokens)
+        by_time = at_budget(run, run.training_seconds, seconds)
+        cells = [f"{v[0]:.4f} | {v[1]:,.0f}" if v else "- | -" for v in (by_tokens, by_time)]
+        rows.append(f"| {run.label} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
@@ -94,6 +122,9 @@ def main() -> None:
     runs = [load_run(arg) for arg in args.runs]
     plot(runs, args.out)
     print(table(runs))
+    if len(runs) > 1:
+        print()
+        print(equal_budgets(runs))
     print(f"plot: {args.out}")
 
 

@@ -470,7 +470,7 @@ class Trainer:
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
                 record = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / ctx.world_size,
-                          **_floats(self.stack.metrics)}
+                          "elapsed_s": self.elapsed(), **_floats(self.stack.metrics)}
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
