@@ -60,6 +60,11 @@ def plot(runs: list[Run], out: Path) -> None:
     figures = {run.label: tuple(run.baselines.get(k) for k, _, _ in BASELINE_LINES)
                for run in runs if run.baselines is not None}
     several = len(set(figures.values())) > 1  # runs on other data: name the run each line belongs to
+    # The axis spans the curves and the compressor lines; the unigram entropy (far above every trained
+    # model) would squeeze the curves into the bottom fifth, so a line above the axis is only named.
+    top = max(bpb for run in runs for bpb in run.bpb) * 1.05
+    bottom = min(min(bpb for run in runs for bpb in run.bpb),
+                 *(value for values in figures.values() for value in values if value is not None)) * 0.95
     drawn = set()
     for label, values in figures.items():
         if values in drawn:
@@ -68,13 +73,17 @@ def plot(runs: list[Run], out: Path) -> None:
         for (_, text, style), value in zip(BASELINE_LINES, values, strict=True):
             if value is None:
                 continue
+            name = f"{text} {value:.3f}" + (f" ({label})" if several else "")
+            if value > top:
+                by_time.plot([], [], color="gray", ls=style, lw=1, label=f"{name}, above the axis")
+                continue
             by_tokens.axhline(value, color="gray", ls=style, lw=1)
-            by_time.axhline(value, color="gray", ls=style, lw=1,
-                            label=f"{text} {value:.3f}" + (f" ({label})" if several else ""))
+            by_time.axhline(value, color="gray", ls=style, lw=1, label=name)
     by_tokens.set(xlabel="tokens trained (millions)", ylabel="validation bits per byte", title="per token")
     by_time.set(xlabel="wall time after the first step (minutes; evaluation included)", title="per minute")
     for ax in (by_tokens, by_time):
         ax.grid(alpha=0.3)
+        ax.set_ylim(bottom, max(top, bottom * 1.1))
     by_tokens.legend()
     by_time.legend(fontsize=8)
     fig.tight_layout()
