@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from megacpp.train.loop import TrainResult
 
 # The GPU figures a CPU run is put beside (BENCHMARKS.md: issue 10's 2-GPU table and issue 13).
-GPU_REFERENCE = ("on one H200 the `small` preset reaches 0.74 bits/byte after 2M tokens and 0.57 after "
-                 "29.5M tokens (900 steps, about 5 minutes) on the same corpus; BENCHMARKS.md")
+GPU_REFERENCE = ("on one H200 the `small` preset reaches 0.70 bits/byte after 1.6M tokens and 0.43 after "
+                 "29.5M tokens (900 steps, under 4 minutes) on that machine's torch headers; BENCHMARKS.md")
 
 
 def beside_baselines(bpb: float, baselines: Baselines) -> str:
