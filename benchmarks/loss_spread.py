@@ -6,17 +6,21 @@ before/after comparison of the loader).
 Over the steps in the window, from each run's metrics.jsonl:
 - detrended std: standard deviation of the loss minus its least-squares line over the window;
 - diff std and diff range: standard deviation, and max - min, of loss[s] - loss[s-1];
-- grad norm: median and maximum, and spikes = steps whose norm exceeds 3x the window's median.
+- grad norm: median and maximum, and spikes = steps whose norm exceeds 3x the window's median;
+  for runs that log per-part norms, which part (block kind, embedding, head, ...) was largest at them.
 The loss at a step is one batch's loss, so these measure how much batches differ from each other.
 """
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from megacpp.train.metrics import read_metrics
+
+PART_PREFIX = "grad_norm_"  # the per-part norms of megacpp.train.grad_norms
 
 
 def spread(path: Path, first: int, last: int) -> dict[str, float]:
@@ -30,12 +34,22 @@ def spread(path: Path, first: int, last: int) -> dict[str, float]:
     diffs = np.diff(loss)
     out = {"steps": len(loss), "mean loss": loss.mean(), "detrended std": (loss - trend).std(),
            "diff std": diffs.std(), "diff range": diffs.max() - diffs.min()}
-    norms = np.array([r["grad_norm"] for r in records if "grad_norm" in r])
+    with_norm = [r for r in records if "grad_norm" in r]
+    norms = np.array([r["grad_norm"] for r in with_norm])
     if len(norms):
         median = float(np.median(norms))
-        out.update({"grad norm median": median, "grad norm max": norms.max(),
-                    "spikes > 3x median": int((norms > 3 * median).sum())})
+        spikes = [r for r in with_norm if r["grad_norm"] > 3 * median]
+        out.update({"grad norm median": median, "grad norm max": norms.max(), "spikes > 3x median": len(spikes)})
+        if any(PART_PREFIX in key for key in with_norm[0]):
+            out["largest part at spikes"] = largest_parts(spikes)
     return out
+
+
+def largest_parts(records: list[dict]) -> str:
+    """How often each part (grad_norm_<part>, runs since per-part norms) had the largest norm, e.g. "R 5, M 1"."""
+    counts = Counter(max((k for k in r if k.startswith(PART_PREFIX)), key=r.__getitem__)[len(PART_PREFIX):]
+                     for r in records)
+    return ", ".join(f"{part} {n}" for part, n in counts.most_common()) or "-"
 
 
 def main() -> None:

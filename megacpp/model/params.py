@@ -1,6 +1,8 @@
 """Parameter counts per block kind (total and active) and FLOPs per token for MFU."""
 from __future__ import annotations
 
+from torch import nn
+
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.registry import BLOCK_KINDS
 
@@ -34,6 +36,24 @@ def parameter_rows(model: HybridLM) -> list[tuple[str, int, int, int]]:
         if n:
             rows.append((label, 0, n, n))
     return rows
+
+
+def parameter_parts(model: HybridLM) -> list[tuple[str, list[nn.Parameter]]]:
+    """The model's parameters split into named parts, each parameter in exactly one: every block kind
+    present (its mixers and their norms, named by the pattern letter), then "engram", "embedding" (token
+    and n-gram hash), "head" (final norm + LM head) and "mtp", each only if the model has it."""
+    parts = []
+    for kind in BLOCK_KINDS:
+        blocks = [b for b in model.blocks if b.kind == kind]
+        if blocks:
+            parts.append((kind, [p for b in blocks for m in (b.mixer, b.norm) for p in m.parameters()]))
+    named_modules = (("engram", [b.engram for b in model.blocks]), ("embedding", [model.tok_embed, model.ngram_embed]),
+                     ("head", [model.norm_f, model.lm_head]), ("mtp", [model.mtp]))
+    for name, modules in named_modules:
+        params = [p for m in modules if m is not None for p in m.parameters()]
+        if params:
+            parts.append((name, params))
+    return parts
 
 
 def parameter_table(model: HybridLM) -> str:

@@ -57,6 +57,7 @@ from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
 from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
+from megacpp.train.grad_norms import PartGradNorms
 from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
@@ -210,6 +211,8 @@ class Trainer:
                                       make_muon=ShardedMuon if ctx.distributed else Muon,
                                       model_compiled=cfg.compile.mode != "none")
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
+        self.part_grad_norms = PartGradNorms(self.model, ctx)
+        self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
         self.step = 0
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
         self.steps_started = 0  # by this process: the auto-fit warmup window counts them
@@ -353,6 +356,7 @@ class Trainer:
         value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
         if not math.isfinite(value):
             self._stop_nonfinite(value, float(total.item()), last_batch)
+        self.grad_norms = self.part_grad_norms.measure()  # before the optimizer clips them
         self.stack.step()
         run_after_optimizer_step(self.model)
         self.stack.zero_grad()
@@ -470,7 +474,7 @@ class Trainer:
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
                 record = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / ctx.world_size,
-                          "elapsed_s": self.elapsed(), **_floats(self.stack.metrics)}
+                          "elapsed_s": self.elapsed(), **_floats(self.stack.metrics), **_floats(self.grad_norms)}
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
