@@ -48,7 +48,7 @@ from megacpp.errors import Interrupted, MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
-from megacpp.optim import Muon, build_optimizers
+from megacpp.optim import build_optimizers
 from megacpp.optim.local import local_tensor
 from megacpp.runtime.checkpoint import CheckpointError, check_compatible, read_meta
 from megacpp.runtime.data import build_data
@@ -207,7 +207,7 @@ class Trainer:
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
         self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      make_muon=ShardedMuon if ctx.distributed else Muon,
+                                      classes={"muon": ShardedMuon} if ctx.distributed else None,
                                       model_compiled=cfg.compile.mode != "none")
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.step = 0
