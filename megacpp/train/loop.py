@@ -165,7 +165,8 @@ class Trainer:
         # before minutes of corpus and tokenizer work.
         validate_config(cfg)
         self.mode = configure_mode(tc.deterministic)
-        self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
+        # env and Dynamo policy: before any compile or process group
+        self.compile_status = prepare_compile(cfg.compile, process_group_timeout_s=cfg.dist.init_timeout_s)
         self.autofit = autofit
         self.ctx = ctx or self._init_distributed()
         self.log = log
