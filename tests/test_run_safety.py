@@ -121,6 +121,62 @@ def test_pruning_never_deletes_usable_checkpoints_below_broken_newer_ones(tmp_pa
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020", "step_00000016", "step_00000015"]
 
 
+def _count_verifications(monkeypatch) -> dict[str, int]:
+    """How often each checkpoint directory is hashed against its meta.json (by name)."""
+    from megacpp.runtime import checkpoint as ckpt_format
+
+    counts: dict[str, int] = {}
+    original = ckpt_format.verify_checkpoint
+
+    def counting(path):
+        counts[Path(path).name] = counts.get(Path(path).name, 0) + 1
+        return original(path)
+
+    monkeypatch.setattr(ckpt_format, "verify_checkpoint", counting)
+    return counts
+
+
+def test_pruning_hashes_each_older_checkpoint_at_most_once_per_process(tmp_path, monkeypatch):
+    """Before, every save re-hashed up to keep_last - 1 older checkpoints; with keep_last=3 over six
+    saves steps 1 to 4 were each hashed twice. Here a fresh process (nothing remembered) resumes a run
+    of three checkpoints and saves six more."""
+    from megacpp.runtime import checkpoint as ckpt_format
+
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep_last=3)
+    monkeypatch.setattr(ckpt_format, "_verdicts", {})  # what a new process knows
+    counts = _count_verifications(monkeypatch)
+    for step in range(4, 10):
+        _save(tmp_path, step, keep_last=3)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000009", "step_00000008", "step_00000007"]
+    assert counts == {"step_00000003": 1, "step_00000002": 1}, "those written here are never re-hashed"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove_shard"])
+def test_a_checkpoint_damaged_after_its_verdict_is_hashed_again_and_does_not_count(tmp_path, monkeypatch, damage):
+    """Step 2 is remembered as usable when written, then damaged: the next save sees its files changed,
+    hashes it again and keeps step 1 as the second usable checkpoint; the save after that has two usable
+    checkpoints newer than both and removes them, without hashing step 2 again."""
+    _save(tmp_path, 1, keep_last=2)
+    broken = _save(tmp_path, 2, keep_last=2)
+    if damage == "truncate":
+        state = broken / "state.pt"
+        state.write_bytes(state.read_bytes()[:-1])
+    else:
+        (shard,) = (broken / "optim").glob("*.distcp")
+        shard.unlink()
+    counts = _count_verifications(monkeypatch)
+    with pytest.raises(CheckpointError):
+        verify_checkpoint(broken)
+    counts.clear()
+    _save(tmp_path, 3, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000002", "step_00000001"]
+    assert counts == {"step_00000002": 1}, "step 1 was written here and is unchanged: not hashed"
+    _save(tmp_path, 4, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000003"]
+    assert counts == {"step_00000002": 1}, "nothing hashed twice"
+
+
 # ---------------------------------------------------------------- 4. non-finite weights, divergence, zero steps
 
 

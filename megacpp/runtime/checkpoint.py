@@ -88,6 +88,7 @@ def _meta_digest(meta: dict[str, Any]) -> str:
 def publish(tmp: Path, final: Path, keep_last: int) -> Path:
     """Rename the finished `tmp` into place and prune to the newest `keep_last` usable checkpoints."""
     replace_dir(tmp, final)
+    _remember(final, usable=True)  # its hashes were just computed from these very files
     _prune(final, keep_last)
     return final
 
@@ -105,21 +106,50 @@ def _prune(fresh: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints that verify (`fresh`, just written, counts as one without
     re-hashing) and every checkpoint newer than the oldest of those; delete only what is older. A
     resumed run whose newest checkpoints are broken thus never deletes the usable ones it started from.
-    Cost: up to keep_last - 1 older checkpoints are hashed at each save."""
+    Cost: each older checkpoint is hashed once per process (`_usable`), not at every save."""
     usable = 0
     for path in list_checkpoints(fresh.parent.parent):
         if usable >= max(keep_last, 1):
             shutil.rmtree(path, ignore_errors=True)
-        elif path == fresh or _verifies(path):
+            _verdicts.pop(path, None)
+        elif path == fresh or _usable(path):
             usable += 1
 
 
-def _verifies(path: Path) -> bool:
+# Pruning asks about the same older checkpoints at every save, and hashing them reads every byte of
+# each. So a verdict is remembered for this process, with the (name, size, mtime, inode) of every file
+# it judged: a file rewritten, truncated, added or removed since changes that signature and the
+# checkpoint is verified again. (A same-size in-place edit within one filesystem clock tick of the
+# verdict, or silent bit rot, goes unseen until the next process; `--resume` always hashes in full.)
+_Signature = tuple[tuple[str, int, int, int], ...]
+_verdicts: dict[Path, tuple[_Signature, bool]] = {}
+
+
+def _signature(path: Path) -> _Signature | None:
+    try:
+        stats = [(str(f.relative_to(path)), f.stat()) for f in path.rglob("*") if f.is_file()]
+    except OSError:  # a file vanished while listing: nothing to remember
+        return None
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats))
+
+
+def _remember(path: Path, usable: bool) -> bool:
+    signature = _signature(path)
+    if signature is not None:
+        _verdicts[path] = (signature, usable)
+    return usable
+
+
+def _usable(path: Path) -> bool:
+    """Whether checkpoint `path` verifies; hashed only when its files changed since the last verdict."""
+    known = _verdicts.get(path)
+    if known is not None and known[0] == _signature(path):
+        return known[1]
     try:
         verify_checkpoint(path)
     except CheckpointError:
-        return False
-    return True
+        return _remember(path, usable=False)
+    return _remember(path, usable=True)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
