@@ -250,14 +250,35 @@ def test_an_edited_meta_json_is_detected_and_resume_skips_it(tmp_path):
 @pytest.mark.parametrize(("override", "named"), [
     ({"data.seq_len": "16"}, "data.seq_len: checkpoint 32 vs now 16"),
     ({"model.d_model": "48"}, "model.d_model: checkpoint 32 vs now 48"),
+    ({"model.pattern": "AEMRF"}, "model.pattern: checkpoint 'AEMFR' vs now 'AEMRF'"),
     ({"train.batch_size": "2"}, "written with a global batch of 4 sequences"),
+    ({"data.vocab_size": "320"}, "data.vocab_size: checkpoint 300 vs now 320: the tokenizer would be trained"),
+    ({"train.seed": "1"}, "train.seed + data.shuffle_seed: checkpoint 1337 + 0 vs now 1 + 0"),
 ])
-def test_an_incompatible_resume_is_named_before_anything_is_written(tmp_path, small_corpus, finished_run, capsys,
-                                                                    override, named):
+def test_an_incompatible_resume_is_named_before_data_preparation_and_anything_written(
+        tmp_path, small_corpus, finished_run, capsys, override, named):
+    """The settings are compared with the checkpoint before the corpus is read: a fresh data cache stays
+    absent (preparing the data would create it, and takes minutes on a real corpus)."""
     before = _snapshot(finished_run)
-    assert _train(tmp_path, small_corpus, "--resume", **{"train.steps": "4", **override}) == 1
-    assert named in _one_line_error(capsys.readouterr().err)
+    fresh_cache = tmp_path / "fresh-cache"
+    assert _train(tmp_path, small_corpus, "--resume",
+                  **{"train.steps": "4", "data.cache_dir": str(fresh_cache), **override}) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert named in line and str(list_checkpoints(finished_run)[0]) in line
+    assert not fresh_cache.exists(), "refused before the corpus and tokenizer work"
     assert _snapshot(finished_run) == before
+
+
+def test_a_compatible_resume_against_a_fresh_cache_prepares_the_data_and_continues(
+        tmp_path, small_corpus, finished_run, capsys):
+    """The early check refuses nothing that can continue: a new cache directory (the tokenizer is trained
+    again, to the same file) resumes the run."""
+    fresh_cache = tmp_path / "fresh-cache"
+    assert _train(tmp_path, small_corpus, "--resume",
+                  **{"train.steps": "3", "data.cache_dir": str(fresh_cache)}) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert fresh_cache.is_dir()
+    assert [p.name for p in list_checkpoints(finished_run)][0] == "step_00000003"
 
 
 # ---------------------------------------------------------------- 6. Ctrl-C

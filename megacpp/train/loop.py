@@ -50,7 +50,7 @@ from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.optim import build_optimizers
 from megacpp.optim.local import local_tensor
-from megacpp.runtime.checkpoint import CheckpointError, check_compatible, read_meta
+from megacpp.runtime.checkpoint import CheckpointError, check_compatible, check_resume_settings, read_meta
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
@@ -172,9 +172,13 @@ class Trainer:
         self.log = log
         self.run_lock: RunLock | None = None  # held by rank 0 while the run lives
         self.claimed = autofit is not None
+        self._resume_from: Path | None = None  # the checkpoint --resume continues, once looked up
+        self._resume_looked_up = False
         try:
             if resume is not None and not self.claimed:
                 self._claim_run_dir(resume)
+            if resume:  # before the data work, which can take minutes: an incompatible resume stops here
+                self._check_resume_settings()
             self._build(log, progress)
         except BaseException as exc:
             self._fail(exc)
@@ -291,21 +295,39 @@ class Trainer:
                 f"step {self.step}: parameter {name}{where} holds NaN or infinite values; the checkpoint was "
                 f"not written and the previous ones under {self.out_dir / 'checkpoints'} are untouched")
 
+    def _resume_checkpoint(self) -> Path | None:
+        """The newest verified checkpoint of the run directory (rank 0's choice, on every rank), looked up
+        (and hashed) once however often it is asked for."""
+        if not self._resume_looked_up:
+            out_dir = Path(self.cfg.train.out_dir)
+            self._resume_from = dist_checkpoint.find_resume_checkpoint(self.ctx, out_dir, warn=self.log)
+            self._resume_looked_up = True
+        return self._resume_from
+
+    def _check_resume_settings(self) -> None:
+        """Refuse a resume whose settings cannot continue the checkpoint's run, from the configuration
+        alone (megacpp.runtime.checkpoint.check_resume_settings); every rank raises the same error."""
+        path = self._resume_checkpoint()
+        if path is None:
+            return
+        error = None
+        try:
+            check_resume_settings(read_meta(path), to_dict(self.cfg), self.ctx.world_size, path)
+        except CheckpointError as exc:
+            error = str(exc)
+        first = next((e for e in self.ctx.all_gather_objects(error) if e is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
+
     def resume(self) -> Path | None:
-        path = dist_checkpoint.find_resume_checkpoint(self.ctx, self.out_dir, warn=self.log)
+        path = self._resume_checkpoint()
         if path is None:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
-        meta = read_meta(path)
-        check_compatible(meta, to_dict(self.cfg.model), self.data.tokenizer_hash, path, self.cfg.data.seq_len)
-        saved_batch = meta.get("global_batch", self.global_batch)
-        if saved_batch != self.global_batch and not self.cfg.dist.allow_global_batch_change:
-            raise CheckpointError(
-                f"{path}: written with a global batch of {saved_batch} sequences ({meta.get('world_size')} "
-                f"rank(s)), this run has {self.global_batch} ({self.ctx.world_size} x train.batch_size "
-                f"{self.cfg.train.batch_size}): it would read another token stream. Keep ranks x "
-                "batch_size equal, or set dist.allow_global_batch_change = true")
-        state, _ = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
+        self._check_resume_settings()  # again for a Trainer built without resume=True
+        check_compatible(read_meta(path), to_dict(self.cfg.model), self.data.tokenizer_hash, path,
+                         self.cfg.data.seq_len)
+        state, meta = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
         self.stack.load_state_dict(state["optim"])
         self.data.loader.load_state_dict(state["loader"], self.cfg.dist.allow_global_batch_change)
         set_rng_state(state["rng"], self.device)
