@@ -12,6 +12,7 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -410,18 +411,36 @@ class Trainer:
         return float(self.ctx.all_reduce_(elapsed, "max").item()) >= budget
 
     def _interrupt_requested(self, sigint: SigintFlag) -> bool:
-        """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same step)."""
+        """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same point; one
+        process reads its flag alone, with no device work: this is asked before every evaluation batch
+        and sampled token too)."""
+        if not self.ctx.distributed:
+            return sigint.requested
         flag = torch.tensor(float(sigint.requested), device=self.device)
         return bool(self.ctx.all_reduce_(flag, "max").item())
 
-    def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None) -> None:
-        """Save at this step (all ranks together) unless this step's checkpoint was just written."""
+    def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None,
+                          during: str | None = None, redo: str | None = None) -> None:
+        """Save at this step (all ranks together) unless this step's checkpoint was just written, and stop.
+        ``during`` names the phase Ctrl-C cut short. A run already at train.steps is complete: instead of
+        how to resume, the message says so, and ``redo`` (a format string of the checkpoint's ``{path}``)
+        how to do what was skipped."""
         if just_saved is None:
             self._expect_progress(watchdog, True, f"checkpoint at step {self.step} (interrupted)")
-            saved = f"saved checkpoint {self.save()}"
+            path = self.save()
+            saved = f"saved checkpoint {path}"
         else:
+            path = just_saved
             saved = f"no checkpoint was due: {just_saved} was just written"
-        raise Interrupted(f"interrupted at step {self.step}; {saved}")
+        what = f"interrupted during {during} at step {self.step}" if during else f"interrupted at step {self.step}"
+        steps = self.cfg.train.steps
+        if self.step < steps:
+            raise Interrupted(f"{what}; {saved}")
+        if just_saved is not None:
+            saved = f"its final checkpoint {path} was written"
+        redo_hint = "; " + redo.format(path=path) if redo else ""
+        raise Interrupted(f"{what}; {saved}; the run is complete (train.steps {steps}): nothing to resume{redo_hint}",
+                          complete=True)
 
     def _check_divergence(self, loss: float, grad_norm: float | None) -> None:
         """Stop a run that diverged without a NaN (the rule is at DIVERGED_FACTOR). Both values are
@@ -506,8 +525,15 @@ class Trainer:
                 if self.step % tc.eval_every == 0 or final:
                     self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
                     elapsed = self.elapsed()  # before the evaluation: the time it took to get here
-                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx,
-                                           self.micro_batch)
+                    # Ctrl-C before or during the evaluation skips (the rest of) it: save this step, stop.
+                    interrupted_before = self._interrupt_requested(sigint)
+                    val_bpb = None if interrupted_before else evaluate_bpb(
+                        self.model, self.data, self.device, tc.eval_batches, ctx, self.micro_batch,
+                        stop=lambda: self._interrupt_requested(sigint))
+                    if val_bpb is None:
+                        self._stop_interrupted(watchdog, None, None if interrupted_before else "the evaluation",
+                                               redo="its final evaluation was skipped: `megacpp eval --checkpoint "
+                                                    "{path}` runs it")
                     if metrics is not None:
                         metrics.log(self.step, "val", {"val_bpb": val_bpb, "tokens": self.step * tokens_per_step,
                                                        "elapsed_s": elapsed})
@@ -529,7 +555,10 @@ class Trainer:
                              f"({self.elapsed():.0f} s): evaluated and saved; stopping before train.steps {tc.steps}")
                     break
             self._expect_progress(watchdog, warm, "the final sample")
-            sample = self.sample_text()
+            sample = self.sample_text(stop=lambda: self._interrupt_requested(sigint))
+            if sample is None:  # Ctrl-C cut it short; the last step's checkpoint is written
+                self._stop_interrupted(watchdog, checkpoint, "the end-of-run sample",
+                                       redo="`megacpp sample --checkpoint {path}` samples from it")
         except BaseException as exc:
             if self.autofit is not None:  # a warmup out-of-memory error leaves here, for a retry
                 in_window = self.steps_started <= WINDOW_STEPS and checkpoint is None
@@ -626,18 +655,30 @@ class Trainer:
         split = self.cfg.train.batch_size // self.micro_batch
         return f" (as {split} micro-batches of {self.micro_batch})" if split > 1 else ""
 
-    def sample_text(self) -> str:
+    def sample_text(self, stop: Callable[[], bool] | None = None) -> str | None:
         """Every rank decodes (a sharded model gathers weights collectively); rank 0's token choice is
-        broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text."""
+        broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text. ``stop``
+        is asked before every token (every rank must get the same answer); when it ends the sample,
+        nothing is written or printed and the result is None."""
         tc = self.cfg.train
         tok = self.data.tokenizer
         prompt = [tok.bos_id, *tok.encode(tc.sample_prompt)]
+        stopped = False
+
+        def stop_here() -> bool:
+            nonlocal stopped
+            stopped = stop is not None and stop()
+            return stopped
+
         self.model.eval()
         with torch.compiler.set_stance("force_eager"):
             tokens = generate_tokens(self.model, prompt, tc.sample_tokens, tc.sample_temperature, tc.sample_top_k,
-                                     tc.seed, stop_id={tok.bos_id, tok.eos_id}, agree=self.ctx.broadcast_)
+                                     tc.seed, stop_id={tok.bos_id, tok.eos_id}, agree=self.ctx.broadcast_,
+                                     stop=stop_here)
             pieces = list(stream_text(tok, tokens))
         self.model.train()
+        if stopped:
+            return None
         text = tc.sample_prompt + "".join(pieces)
         if self.ctx.is_main:
             (self.out_dir / "sample.txt").write_text(text)
