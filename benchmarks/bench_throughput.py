@@ -146,11 +146,10 @@ def bench_optimizer(model: HybridLM, cfg, iters: int, dev: torch.device) -> list
             torch.cuda.synchronize(dev)
         first = time.perf_counter() - t0
         ms = median_ms(stack.step, dev, warmup=3, iters=iters)
-        parts = {kind: median_ms(opt.step, dev, warmup=1, iters=iters) for kind, opt in
-                 (("muon", stack.muon), ("adamw", stack.adamw))}
+        parts = {kind: median_ms(opt.step, dev, warmup=1, iters=iters) for kind, opt in stack.by_name.items()}
         compiled = all(opt.compile_step for opt in stack.optimizers)
-        note = (f"first step {first:.1f} s; Muon {parts['muon']:.2f} ms, AdamW {parts['adamw']:.2f} ms "
-                f"alone; compiled={compiled}")
+        alone = ", ".join(f"{kind} {part_ms:.2f} ms" for kind, part_ms in parts.items())
+        note = f"first step {first:.1f} s; {alone} alone; compiled={compiled}"
         rows.append((f"optimizer step, {name}", ms, None, note))
         print(f"{rows[-1][0]}: {ms:.2f} ms ({note})", flush=True)
     return rows

@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
     except Interrupted as exc:
-        return _fail(f"{exc}; {_resume_hint(argv)}", 130)
+        return _fail(str(exc) if exc.complete else f"{exc}; {_resume_hint(argv)}", 130)
     except KeyboardInterrupt:  # outside the training steps: nothing of this run's was saved just now
         return _fail("interrupted; checkpoints already written are intact", 130)
     except ConfigError as exc:

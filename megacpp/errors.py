@@ -16,4 +16,10 @@ class UsageError(MegacppError):
 
 
 class Interrupted(MegacppError):
-    """The user stopped a run with Ctrl-C (SIGINT) and it saved what it had: the CLI exits 130."""
+    """The user stopped a run with Ctrl-C (SIGINT) and it saved what it had: the CLI exits 130.
+    ``complete``: the run had already trained all its steps (Ctrl-C cut its final evaluation or sample
+    short), so there is nothing to resume and the CLI says so instead of how to resume."""
+
+    def __init__(self, message: str, *, complete: bool = False) -> None:
+        super().__init__(message)
+        self.complete = complete

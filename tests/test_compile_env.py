@@ -35,7 +35,51 @@ def test_torchrun_sets_nccl_defaults_and_reports_them(monkeypatch):
     assert report.set == {"TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "7200"}
     assert os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "7200"
     assert "set TORCH_NCCL_ENABLE_MONITORING=0" in report.format()
-    assert "process-group timeout 7200 s" in report.format()
+
+
+@pytest.mark.parametrize("timeout_s", [90.0, 7200.0, 1234.5])
+def test_the_report_prints_the_configured_process_group_timeout(monkeypatch, timeout_s):
+    """The group is created with dist.init_timeout_s; the report says that value, not a constant."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    lines = apply_env(process_group_timeout_s=timeout_s).format().splitlines()
+    assert [line for line in lines if "process-group timeout" in line] == [
+        f"  process-group timeout {timeout_s:g} s (dist.init_timeout_s)"]
+
+
+def test_the_trainer_reports_its_dist_init_timeout_s(monkeypatch, tmp_path):
+    """The training entry point hands its configured timeout to the report (stopped right after, before
+    any process group or data work)."""
+    from megacpp.compile import entry
+    from megacpp.config import Config
+    from megacpp.train import loop
+
+    class Stop(Exception):
+        pass
+
+    reports: list[str] = []
+
+    def prepare_and_record(*args, **kwargs):
+        status = entry.prepare_compile(*args, **kwargs)
+        reports.append(status.format())
+        return status
+
+    def stop(self):
+        raise Stop
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(loop, "prepare_compile", prepare_and_record)
+    monkeypatch.setattr(loop.Trainer, "_init_distributed", stop)
+    cfg = Config()
+    cfg.dist.init_timeout_s = 321.0
+    cfg.compile.mode, cfg.compile.cache_dir = "none", str(tmp_path)
+    with pytest.raises(Stop):
+        loop.Trainer(cfg, log=lambda _line: None)
+    assert "  process-group timeout 321 s (dist.init_timeout_s)" in reports[0].splitlines()
+
+
+def test_no_timeout_line_when_the_timeout_is_not_known(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert "process-group timeout" not in apply_env().format()
 
 
 def test_user_values_are_kept(monkeypatch):

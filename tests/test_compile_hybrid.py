@@ -62,7 +62,7 @@ def test_thirty_training_steps_without_recompiles():
             run_after_optimizer_step(model)
             stack.zero_grad()
             biases.append(moe.expert_bias.clone())
-            lrs.append(stack.muon.param_groups[0]["lr"].item())
+            lrs.append(stack.by_name["muon"].param_groups[0]["lr"].item())
             if step == 0:
                 health.end_warmup()
         assert health.totals().recompiles_after_warmup == 0

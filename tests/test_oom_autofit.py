@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -285,7 +286,9 @@ def test_ctrl_c_on_the_supervisor_reaches_the_child_which_saves_and_exits_130(tm
     assert proc.returncode == 130, out[-3000:]
     (ckpt,) = list_checkpoints(tmp_path / "run")
     step = verify_checkpoint(ckpt)["step"]
-    assert f"megacpp: interrupted at step {step}; saved checkpoint {ckpt}; continue with: megacpp train" in out
+    # Ctrl-C may land in a training step or in an evaluation (every 3 steps here), which it cuts short.
+    assert re.search(rf"megacpp: interrupted (during the evaluation )?at step {step}; saved checkpoint "
+                     rf"{re.escape(str(ckpt))}; continue with: megacpp train", out), out[-3000:]
     assert "Traceback" not in out and "failed" not in out
 
 

@@ -106,7 +106,7 @@ def test_tier1_norms_biases_and_hinted_tables_are_never_decayed() -> None:
     expected = {"adamw:other:no_decay": 0.0, "adamw:other": 0.01, "adamw:embed": 0.01, "muon:original": 0.1}
     for name, value in expected.items():
         assert torch.equal(decay[name], torch.tensor(value, dtype=decay[name].dtype)), name
-    no_decay = next(g for g in stack.adamw.param_groups if g["name"] == "adamw:other:no_decay")
+    no_decay = next(g for g in stack.by_name["adamw"].param_groups if g["name"] == "adamw:other:no_decay")
     assert all(p.ndim == 1 for p in no_decay["params"])
 
 
@@ -119,8 +119,8 @@ def test_tier1_wrapper_prefixes_are_ignored() -> None:
 
 def test_tier1_adamw_only_mode() -> None:
     stack = build_optimizers(TinyHybrid(), OptimConfig(use_muon=False), log=None)
-    assert stack.muon is None
-    names = {g["name"] for g in stack.adamw.param_groups}
+    assert list(stack.by_name) == ["adamw"]
+    names = {g["name"] for g in stack.by_name["adamw"].param_groups}
     assert "adamw:hidden" in names and not any(n.startswith("muon") for n in names)
 
 

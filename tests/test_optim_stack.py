@@ -48,19 +48,19 @@ def test_tier1_step_order_is_optimizers_then_clip_then_scheduler() -> None:
 
     def record(name: str, fn):
         def wrapped(*args, **kwargs):
-            calls.append((name, stack.muon.param_groups[0]["lr"].item()))
+            calls.append((name, stack.by_name["muon"].param_groups[0]["lr"].item()))
             return fn(*args, **kwargs)
         return wrapped
 
-    stack.muon.step = record("muon", stack.muon.step)
-    stack.adamw.step = record("adamw", stack.adamw.step)
+    stack.by_name["muon"].step = record("muon", stack.by_name["muon"].step)
+    stack.by_name["adamw"].step = record("adamw", stack.by_name["adamw"].step)
     stack.clip.apply = record("clip", stack.clip.apply)
     stack.scheduler.step = record("scheduler", stack.scheduler.step)
     _train(model, stack, steps=6)
     assert [name for name, _ in calls] == ["muon", "adamw", "clip", "scheduler"] * 6
     # The optimizer steps of step k run with the lr of position k; the scheduler moves only afterwards.
     schedule = WarmupStableDecay.from_config(cfg, total_steps=10)
-    base = stack.muon.param_groups[0]["base_lr"]
+    base = stack.by_name["muon"].param_groups[0]["base_lr"]
     muon_lrs = [lr for name, lr in calls if name == "muon"]
     assert muon_lrs == [torch.tensor(base * schedule.multiplier(k), dtype=torch.float64).item() for k in range(6)]
 
@@ -162,7 +162,7 @@ def test_tier1_resume_is_bitwise() -> None:
     _train(model2, stack2, steps=4, first_batch=3)
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    assert stack.muon.param_groups[0]["lr"].item() == stack2.muon.param_groups[0]["lr"].item()
+    assert stack.by_name["muon"].param_groups[0]["lr"].item() == stack2.by_name["muon"].param_groups[0]["lr"].item()
 
 
 def test_schedule_without_decay_steps_stays_stable_to_the_end() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from megacpp.train.loop import DivergenceError, NonFiniteWeightsError, Trainer
 from megacpp.train.metrics import MetricsLogger, plot_loss, read_metrics
 from megacpp.train.rundir import LOCK_NAME, RunLock
 from tests.helpers import tiny_train_args, tiny_train_config
-from tests.torchrun import ROOT, free_port, torchrun_args, worker_env
+from tests.torchrun import ROOT, Launch, free_port, python, torchrun, torchrun_args, worker_env
 
 
 def _quiet(_msg: str) -> None:
@@ -121,6 +122,62 @@ def test_pruning_never_deletes_usable_checkpoints_below_broken_newer_ones(tmp_pa
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020", "step_00000016", "step_00000015"]
 
 
+def _count_verifications(monkeypatch) -> dict[str, int]:
+    """How often each checkpoint directory is hashed against its meta.json (by name)."""
+    from megacpp.runtime import checkpoint as ckpt_format
+
+    counts: dict[str, int] = {}
+    original = ckpt_format.verify_checkpoint
+
+    def counting(path):
+        counts[Path(path).name] = counts.get(Path(path).name, 0) + 1
+        return original(path)
+
+    monkeypatch.setattr(ckpt_format, "verify_checkpoint", counting)
+    return counts
+
+
+def test_pruning_hashes_each_older_checkpoint_at_most_once_per_process(tmp_path, monkeypatch):
+    """Before, every save re-hashed up to keep_last - 1 older checkpoints; with keep_last=3 over six
+    saves steps 1 to 4 were each hashed twice. Here a fresh process (nothing remembered) resumes a run
+    of three checkpoints and saves six more."""
+    from megacpp.runtime import checkpoint as ckpt_format
+
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep_last=3)
+    monkeypatch.setattr(ckpt_format, "_verdicts", {})  # what a new process knows
+    counts = _count_verifications(monkeypatch)
+    for step in range(4, 10):
+        _save(tmp_path, step, keep_last=3)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000009", "step_00000008", "step_00000007"]
+    assert counts == {"step_00000003": 1, "step_00000002": 1}, "those written here are never re-hashed"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove_shard"])
+def test_a_checkpoint_damaged_after_its_verdict_is_hashed_again_and_does_not_count(tmp_path, monkeypatch, damage):
+    """Step 2 is remembered as usable when written, then damaged: the next save sees its files changed,
+    hashes it again and keeps step 1 as the second usable checkpoint; the save after that has two usable
+    checkpoints newer than both and removes them, without hashing step 2 again."""
+    _save(tmp_path, 1, keep_last=2)
+    broken = _save(tmp_path, 2, keep_last=2)
+    if damage == "truncate":
+        state = broken / "state.pt"
+        state.write_bytes(state.read_bytes()[:-1])
+    else:
+        (shard,) = (broken / "optim").glob("*.distcp")
+        shard.unlink()
+    counts = _count_verifications(monkeypatch)
+    with pytest.raises(CheckpointError):
+        verify_checkpoint(broken)
+    counts.clear()
+    _save(tmp_path, 3, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000002", "step_00000001"]
+    assert counts == {"step_00000002": 1}, "step 1 was written here and is unchanged: not hashed"
+    _save(tmp_path, 4, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000003"]
+    assert counts == {"step_00000002": 1}, "nothing hashed twice"
+
+
 # ---------------------------------------------------------------- 4. non-finite weights, divergence, zero steps
 
 
@@ -194,14 +251,35 @@ def test_an_edited_meta_json_is_detected_and_resume_skips_it(tmp_path):
 @pytest.mark.parametrize(("override", "named"), [
     ({"data.seq_len": "16"}, "data.seq_len: checkpoint 32 vs now 16"),
     ({"model.d_model": "48"}, "model.d_model: checkpoint 32 vs now 48"),
+    ({"model.pattern": "AEMRF"}, "model.pattern: checkpoint 'AEMFR' vs now 'AEMRF'"),
     ({"train.batch_size": "2"}, "written with a global batch of 4 sequences"),
+    ({"data.vocab_size": "320"}, "data.vocab_size: checkpoint 300 vs now 320: the tokenizer would be trained"),
+    ({"train.seed": "1"}, "train.seed + data.shuffle_seed: checkpoint 1337 + 0 vs now 1 + 0"),
 ])
-def test_an_incompatible_resume_is_named_before_anything_is_written(tmp_path, small_corpus, finished_run, capsys,
-                                                                    override, named):
+def test_an_incompatible_resume_is_named_before_data_preparation_and_anything_written(
+        tmp_path, small_corpus, finished_run, capsys, override, named):
+    """The settings are compared with the checkpoint before the corpus is read: a fresh data cache stays
+    absent (preparing the data would create it, and takes minutes on a real corpus)."""
     before = _snapshot(finished_run)
-    assert _train(tmp_path, small_corpus, "--resume", **{"train.steps": "4", **override}) == 1
-    assert named in _one_line_error(capsys.readouterr().err)
+    fresh_cache = tmp_path / "fresh-cache"
+    assert _train(tmp_path, small_corpus, "--resume",
+                  **{"train.steps": "4", "data.cache_dir": str(fresh_cache), **override}) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert named in line and str(list_checkpoints(finished_run)[0]) in line
+    assert not fresh_cache.exists(), "refused before the corpus and tokenizer work"
     assert _snapshot(finished_run) == before
+
+
+def test_a_compatible_resume_against_a_fresh_cache_prepares_the_data_and_continues(
+        tmp_path, small_corpus, finished_run, capsys):
+    """The early check refuses nothing that can continue: a new cache directory (the tokenizer is trained
+    again, to the same file) resumes the run."""
+    fresh_cache = tmp_path / "fresh-cache"
+    assert _train(tmp_path, small_corpus, "--resume",
+                  **{"train.steps": "3", "data.cache_dir": str(fresh_cache)}) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert fresh_cache.is_dir()
+    assert [p.name for p in list_checkpoints(finished_run)][0] == "step_00000003"
 
 
 # ---------------------------------------------------------------- 6. Ctrl-C
@@ -238,7 +316,9 @@ def test_sigint_saves_a_checkpoint_exits_130_and_says_how_to_resume(tmp_path, sm
     assert "Traceback" not in out
     (ckpt,) = list_checkpoints(tmp_path / "run")
     step = verify_checkpoint(ckpt)["step"]
-    assert f"megacpp: interrupted at step {step}; saved checkpoint {ckpt}; continue with: megacpp train" in out
+    # Ctrl-C may land in a training step or in an evaluation (every 3 steps here), which it cuts short.
+    assert re.search(rf"megacpp: interrupted (during the evaluation )?at step {step}; saved checkpoint "
+                     rf"{re.escape(str(ckpt))}; continue with: megacpp train", out), out[-3000:]
     assert out.rstrip().endswith("--resume")
 
 
@@ -251,11 +331,88 @@ def test_sigint_under_two_rank_torchrun_saves_one_checkpoint_on_every_rank(tmp_p
     (ckpt,) = list_checkpoints(tmp_path / "run")
     meta = verify_checkpoint(ckpt)
     assert meta["world_size"] == 2
-    said = [line for line in out.splitlines() if "megacpp: interrupted at step" in line]
-    assert len(said) == 2 and all(f"interrupted at step {meta['step']}; saved checkpoint" in s for s in said), out
+    said = [line for line in out.splitlines() if "megacpp: interrupted" in line]
+    pattern = rf"interrupted (during the evaluation )?at step {meta['step']}; saved checkpoint"
+    assert len(said) == 2 and all(re.search(pattern, s) for s in said), out
     assert all(s.endswith("continue with: the same torchrun command plus --resume") for s in said)
     # torchrun itself prints a traceback of its own SignalException; no rank does.
     assert not [line for line in out.splitlines() if line.startswith("[default") and "Traceback" in line]
+
+
+def _launch_with_fault(tmp_path, corpus, fault: str, torchrun_ranks: int = 0, **overrides: str) -> Launch:
+    """`megacpp train` (tiny, 6 steps, evaluation and checkpoint at 3 and 6) through the test launcher,
+    which makes the process itself get SIGINT at the moment `fault` names (tests/distributed/launch.py)."""
+    args = ["tests/distributed/launch.py", "--fault", fault, *tiny_train_args(tmp_path, corpus, **overrides)]
+    if torchrun_ranks:
+        return torchrun(args, nproc=torchrun_ranks, timeout=300)
+    return python(args, timeout=240)
+
+
+def _val_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+
+
+def _interrupted_line(output: str) -> str:
+    (line,) = [line for line in output.splitlines() if "megacpp: interrupted" in line]
+    return line
+
+
+def test_sigint_during_the_final_evaluation_stops_it_saves_and_says_the_run_is_complete(tmp_path, small_corpus):
+    run = _launch_with_fault(tmp_path, small_corpus, "sigint_eval@0:6")
+    assert run.returncode == 130, run.output[-3000:]
+    assert "Traceback" not in run.output
+    final, earlier = list_checkpoints(tmp_path / "run")
+    assert verify_checkpoint(final)["step"] == 6 and verify_checkpoint(earlier)["step"] == 3
+    assert _interrupted_line(run.output) == (
+        f"megacpp: interrupted during the evaluation at step 6; saved checkpoint {final}; the run is complete "
+        f"(train.steps 6): nothing to resume; its final evaluation was skipped: `megacpp eval --checkpoint {final}` "
+        "runs it")
+    assert _val_steps(tmp_path / "run") == [3], "the final evaluation was cut short, not finished"
+    assert not (tmp_path / "run" / "sample.txt").exists()
+
+
+def test_sigint_during_an_evaluation_mid_run_saves_that_step_and_says_how_to_resume(tmp_path, small_corpus):
+    run = _launch_with_fault(tmp_path, small_corpus, "sigint_eval@0:3")
+    assert run.returncode == 130, run.output[-3000:]
+    assert "Traceback" not in run.output
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    assert verify_checkpoint(ckpt)["step"] == 3
+    line = _interrupted_line(run.output)
+    assert line.startswith(f"megacpp: interrupted during the evaluation at step 3; saved checkpoint {ckpt}; "
+                           "continue with: megacpp train ")
+    assert line.endswith("--resume")
+    assert _val_steps(tmp_path / "run") == []
+
+
+def test_sigint_during_the_end_of_run_sample_stops_it_keeps_the_final_checkpoint_and_says_complete(
+        tmp_path, small_corpus):
+    run = _launch_with_fault(tmp_path, small_corpus, "sigint_sample@0:3")
+    assert run.returncode == 130, run.output[-3000:]
+    assert "Traceback" not in run.output
+    final = list_checkpoints(tmp_path / "run")[0]
+    assert verify_checkpoint(final)["step"] == 6
+    assert _interrupted_line(run.output) == (
+        f"megacpp: interrupted during the end-of-run sample at step 6; its final checkpoint {final} was written; "
+        f"the run is complete (train.steps 6): nothing to resume; `megacpp sample --checkpoint {final}` samples "
+        "from it")
+    assert _val_steps(tmp_path / "run") == [3, 6]
+    assert not (tmp_path / "run" / "sample.txt").exists()
+    assert "--- sample" not in run.output
+
+
+@pytest.mark.slow
+def test_sigint_on_one_rank_during_the_final_evaluation_stops_both_ranks_together(tmp_path, small_corpus):
+    """Rank 1 alone gets SIGINT: the ranks agree before every evaluation batch, so both stop the
+    evaluation at the same batch and save the one checkpoint together."""
+    run = _launch_with_fault(tmp_path, small_corpus, "sigint_eval@1:6", torchrun_ranks=2,
+                             **{"train.batch_size": "2"})
+    assert run.returncode != 0
+    final = list_checkpoints(tmp_path / "run")[0]
+    assert verify_checkpoint(final)["world_size"] == 2
+    said = [line for line in run.output.splitlines() if "megacpp: interrupted during the evaluation" in line]
+    assert len(said) == 2 and all("the run is complete (train.steps 6): nothing to resume" in s for s in said)
+    assert _val_steps(tmp_path / "run") == [3]
+    assert not [line for line in run.output.splitlines() if line.startswith("[default") and "Traceback" in line]
 
 
 # ---------------------------------------------------------------- 7. metrics.jsonl cut short

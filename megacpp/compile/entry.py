@@ -19,12 +19,13 @@ class CompileStatus:
         return "\n".join((self.cache.format(), self.env.format(), self.policy.format()))
 
 
-def prepare_compile(cfg: CompileConfig) -> CompileStatus:
+def prepare_compile(cfg: CompileConfig, process_group_timeout_s: float | None = None) -> CompileStatus:
     """Choose the Inductor cache dir, apply the GPU/torchrun env defaults, apply the Dynamo policy.
 
     Call once at entry, before any model is compiled (and, under torchrun, before the process group
-    is created); put ``status.format()`` in the run's status and in `doctor`.
+    is created); put ``status.format()`` in the run's status and in `doctor`. ``process_group_timeout_s``
+    is the timeout the process group will be created with (dist.init_timeout_s), for the report.
     """
     cache = setup_inductor_cache(cfg.cache_dir or None)
-    env = apply_env(cfg)
+    env = apply_env(cfg, process_group_timeout_s=process_group_timeout_s)
     return CompileStatus(cache, env, apply_policy(cfg))

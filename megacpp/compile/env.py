@@ -3,8 +3,9 @@
 Max-autotune stays off unless asked (its benchmarking subprocess OOMed on large GEMMs and poisoned the
 cache with a bad pick); autotune-in-subprocess is a switch. Under torchrun a cold compile of the deep
 hybrid outlasts NCCL's default heartbeat (480 s on 2.11) and process-group timeout (10 min), killing
-the rank mid-compile, so unless the user set them: monitoring off, heartbeat 7200 s, and a 7200 s
-process-group timeout for whoever creates the group. The NCCL variables are read when the process
+the rank mid-compile, so unless the user set them: monitoring off and heartbeat 7200 s. The
+process-group timeout itself is ``dist.init_timeout_s`` (7200 s by default), passed to whoever creates
+the group; the report prints the value it is given. The NCCL variables are read when the process
 group is created: apply before ``init_process_group``.
 """
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from megacpp.compile.config import CompileConfig
 
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=7200)
 TORCHRUN_DEFAULTS: dict[str, str] = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "7200",
@@ -29,25 +28,27 @@ class EnvReport:
     set: dict[str, str] = field(default_factory=dict)  # variables this call set
     kept: dict[str, str] = field(default_factory=dict)  # variables the user had set: left alone
     inductor: dict[str, bool] = field(default_factory=dict)
-    process_group_timeout: timedelta = PROCESS_GROUP_TIMEOUT
+    process_group_timeout_s: float | None = None  # dist.init_timeout_s of the run; None: not known here
 
     def format(self) -> str:
         lines = [f"compile env: torchrun={'yes' if self.under_torchrun else 'no'}"]
         lines += [f"  set {k}={v}" for k, v in self.set.items()]
         lines += [f"  kept user {k}={v}" for k, v in self.kept.items()]
         lines += [f"  inductor.{k}={v}" for k, v in self.inductor.items()]
-        if self.under_torchrun:
-            lines.append(f"  process-group timeout {int(self.process_group_timeout.total_seconds())} s")
+        if self.under_torchrun and self.process_group_timeout_s is not None:
+            lines.append(f"  process-group timeout {self.process_group_timeout_s:g} s (dist.init_timeout_s)")
         return "\n".join(lines)
 
 
-def apply_env(cfg: CompileConfig | None = None, environ: MutableMapping[str, str] | None = None) -> EnvReport:
-    """Apply the Inductor autotune defaults and, under torchrun (LOCAL_RANK set), the NCCL defaults."""
+def apply_env(cfg: CompileConfig | None = None, environ: MutableMapping[str, str] | None = None,
+              process_group_timeout_s: float | None = None) -> EnvReport:
+    """Apply the Inductor autotune defaults and, under torchrun (LOCAL_RANK set), the NCCL defaults.
+    ``process_group_timeout_s`` (the run's dist.init_timeout_s) is only reported."""
     import torch._inductor.config as inductor_config
 
     cfg = cfg or CompileConfig()
     env = os.environ if environ is None else environ
-    report = EnvReport(under_torchrun="LOCAL_RANK" in env)
+    report = EnvReport(under_torchrun="LOCAL_RANK" in env, process_group_timeout_s=process_group_timeout_s)
     if report.under_torchrun:
         for key, value in TORCHRUN_DEFAULTS.items():
             if key in env:

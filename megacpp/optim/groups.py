@@ -1,6 +1,7 @@
 """Parameter routing (docs/architecture.md, "Parameter hints read by the optimizer") and the routing table.
 
 Rules, first match wins (hints are the modules' ``param_hints``, collected by name before any wrapping):
+  0. hint optimizer naming another registered optimizer (megacpp.optim.registry) -> "<name>:hinted"
   1. hint optimizer "muon" -> Muon (must be ndim >= 2); "adamw" -> AdamW
   2. under `tok_embed` / `ngram_embed` -> AdamW "embed"; under `lm_head` / `mtp` -> AdamW "head"
   3. ndim < 2 -> AdamW "other"
@@ -11,7 +12,6 @@ Muon groups are split by lr scaling mode (hint lr_scaling, else expert_lr_scalin
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ from torch import nn
 
 from megacpp.model.hints import ParamHint, canonical_name, collect_param_hints
 from megacpp.optim.config import LR_SCALINGS, OptimConfig
-from megacpp.optim.muon import second_moment_shape
+from megacpp.optim.registry import OPTIMIZERS
 
 _HIDDEN = re.compile(r"blocks\.\d+\.(mixer|engram)\.")
 _EMBED = ("tok_embed", "ngram_embed")
@@ -32,18 +32,31 @@ _NO_HINT = ParamHint()
 class Route:
     name: str  # the model's own name, wrapper components removed
     param: nn.Parameter
-    group: str  # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other"
+    # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other" | "<name>:hinted"
+    group: str
     hint: ParamHint = _NO_HINT
 
     @property
     def optimizer(self) -> str:
         return self.group.split(":", 1)[0]
 
+    @property
+    def subgroup(self) -> str:
+        return self.group.split(":", 1)[1]
+
+    @property
+    def decayed(self) -> bool:
+        """Norms, biases and scalars (< 2-D) are never weight-decayed; a hint may exempt others."""
+        return not (self.hint.no_decay or self.param.ndim < 2)
+
 
 def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = _NO_HINT) -> str:
     """The group of one parameter; raises ValueError naming it when no rule fits."""
-    if hint.optimizer not in (None, "muon", "adamw"):
-        raise ValueError(f"parameter {name!r}: hint optimizer={hint.optimizer!r}, expected 'muon' or 'adamw'")
+    if hint.optimizer is not None and hint.optimizer not in OPTIMIZERS:
+        raise ValueError(f"parameter {name!r}: hint optimizer={hint.optimizer!r}, expected one of the registered "
+                         f"optimizers {tuple(OPTIMIZERS)}")
+    if hint.optimizer not in (None, "muon", "adamw"):  # the default rules know only these two
+        return f"{hint.optimizer}:hinted"
     top = name.split(".", 1)[0]
     hidden = param.ndim >= 2 and _HIDDEN.match(name) is not None
     if hint.optimizer == "muon" and param.ndim < 2:
@@ -86,23 +99,13 @@ def route_parameters(model: nn.Module, cfg: OptimConfig, hints: Mapping[str, Par
     return routes
 
 
-def state_bytes(route: Route, cfg: OptimConfig) -> int:
-    """Optimizer state bytes of one parameter in its group."""
-    p = route.param
-    if route.optimizer == "muon":
-        momentum = p.numel() * (2 if cfg.momentum_dtype == "bfloat16" else 4)
-        factored = 4 * math.prod(second_moment_shape(p.shape)) if cfg.variance_reduction else 0
-        return momentum + factored
-    return 2 * p.numel() * p.element_size() + 4  # exp_avg, exp_avg_sq in the param dtype + fp32 step
-
-
 def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
     rows: dict[str, list[int]] = {}
     for r in routes:
         row = rows.setdefault(r.group, [0, 0, 0])
         row[0] += 1
         row[1] += r.param.numel()
-        row[2] += state_bytes(r, cfg)
+        row[2] += OPTIMIZERS[r.optimizer].state_bytes(r, cfg)
     total = [sum(col) for col in zip(*rows.values(), strict=True)] if rows else [0, 0, 0]
     lines = [f"{'group':<24}{'tensors':>8}{'params':>14}{'state bytes':>14}"]
     for group in sorted(rows):

@@ -43,6 +43,11 @@ class TensorHParamOptimizer(Optimizer):
             # A fresh tensor per group: the defaults dict must never hand one tensor to two groups.
             group[key] = torch.tensor(float(group[key]), dtype=self.HPARAM_DTYPE, device=device)
 
+    def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The state of `p` in `group`, every tensor of it created (zeros) on first use, in p's layout.
+        `OptimizerStack.moments()` checkpoints and restores these tensors in place, by their keys."""
+        raise NotImplementedError(f"{type(self).__name__} must define init_state to join an OptimizerStack")
+
     def set_hparam(self, key: str, value: float, group_index: int | None = None) -> None:
         """Write `value` into the 0-D tensor `key` of one group (or of every group), in place."""
         if key not in self.TENSOR_HPARAMS:

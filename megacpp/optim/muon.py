@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from megacpp.optim.config import LR_SCALINGS
+from megacpp.optim.config import LR_SCALINGS, OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import is_sharded, local_tensor
 from megacpp.optim.orthogonalize import (
@@ -35,6 +35,10 @@ from megacpp.optim.orthogonalize import (
     coefficient_schedule,
     orthogonalize,
 )
+from megacpp.optim.spec import OptimizerSpec
+
+if TYPE_CHECKING:  # groups.py reads the registry, which reads this module: typing only
+    from megacpp.optim.groups import Route
 
 
 def lr_ratio(shape: Sequence[int], mode: str) -> float:
@@ -343,6 +347,34 @@ def torch_muon_compatible(
         momentum_dtype=torch.float32,
         compile_step=compile_step, compile_backend=compile_backend,
     )
+
+
+def _muon_settings(cfg: OptimConfig) -> dict[str, Any]:
+    return dict(
+        lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
+        beta2=cfg.variance_beta2, variance_reduction=cfg.variance_reduction,
+        cautious_weight_decay=cfg.cautious_weight_decay, coefficients=cfg.ns_coefficients, ns_steps=cfg.ns_steps,
+        lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype,
+    )
+
+
+def _muon_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
+    """A Muon route's subgroup is its lr scaling mode, and each mode has its own base lr; fused QKV
+    matrices of one split form groups of their own."""
+    scaling = route.subgroup
+    lr = cfg.muon_lr if scaling == "original" else (cfg.adamw_lr if cfg.muon_rms_lr is None else cfg.muon_rms_lr)
+    return {"lr": lr, "lr_scaling": scaling, "split_sizes": route.hint.qkv_split,
+            "weight_decay": cfg.weight_decay if route.decayed else 0.0}
+
+
+def _muon_state_bytes(route: Route, cfg: OptimConfig) -> int:
+    p = route.param
+    momentum = p.numel() * (2 if cfg.momentum_dtype == "bfloat16" else 4)
+    factored = 4 * math.prod(second_moment_shape(p.shape)) if cfg.variance_reduction else 0
+    return momentum + factored
+
+
+MUON_SPEC = OptimizerSpec(Muon, _muon_settings, _muon_group_settings, _muon_state_bytes)
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

@@ -88,6 +88,7 @@ def _meta_digest(meta: dict[str, Any]) -> str:
 def publish(tmp: Path, final: Path, keep_last: int) -> Path:
     """Rename the finished `tmp` into place and prune to the newest `keep_last` usable checkpoints."""
     replace_dir(tmp, final)
+    _remember(final, usable=True)  # its hashes were just computed from these very files
     _prune(final, keep_last)
     return final
 
@@ -105,21 +106,50 @@ def _prune(fresh: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints that verify (`fresh`, just written, counts as one without
     re-hashing) and every checkpoint newer than the oldest of those; delete only what is older. A
     resumed run whose newest checkpoints are broken thus never deletes the usable ones it started from.
-    Cost: up to keep_last - 1 older checkpoints are hashed at each save."""
+    Cost: each older checkpoint is hashed once per process (`_usable`), not at every save."""
     usable = 0
     for path in list_checkpoints(fresh.parent.parent):
         if usable >= max(keep_last, 1):
             shutil.rmtree(path, ignore_errors=True)
-        elif path == fresh or _verifies(path):
+            _verdicts.pop(path, None)
+        elif path == fresh or _usable(path):
             usable += 1
 
 
-def _verifies(path: Path) -> bool:
+# Pruning asks about the same older checkpoints at every save, and hashing them reads every byte of
+# each. So a verdict is remembered for this process, with the (name, size, mtime, inode) of every file
+# it judged: a file rewritten, truncated, added or removed since changes that signature and the
+# checkpoint is verified again. (A same-size in-place edit within one filesystem clock tick of the
+# verdict, or silent bit rot, goes unseen until the next process; `--resume` always hashes in full.)
+_Signature = tuple[tuple[str, int, int, int], ...]
+_verdicts: dict[Path, tuple[_Signature, bool]] = {}
+
+
+def _signature(path: Path) -> _Signature | None:
+    try:
+        stats = [(str(f.relative_to(path)), f.stat()) for f in path.rglob("*") if f.is_file()]
+    except OSError:  # a file vanished while listing: nothing to remember
+        return None
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats))
+
+
+def _remember(path: Path, usable: bool) -> bool:
+    signature = _signature(path)
+    if signature is not None:
+        _verdicts[path] = (signature, usable)
+    return usable
+
+
+def _usable(path: Path) -> bool:
+    """Whether checkpoint `path` verifies; hashed only when its files changed since the last verdict."""
+    known = _verdicts.get(path)
+    if known is not None and known[0] == _signature(path):
+        return known[1]
     try:
         verify_checkpoint(path)
     except CheckpointError:
-        return False
-    return True
+        return _remember(path, usable=False)
+    return _remember(path, usable=True)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -186,25 +216,72 @@ def latest_valid_checkpoint(out_dir: str | Path, warn=print) -> Path | None:
     return None
 
 
+def check_resume_settings(meta: dict[str, Any], config: dict[str, Any], world_size: int, where: Path) -> None:
+    """Refuse, from the configuration alone, a resume that cannot continue the run of checkpoint `where`
+    (`meta` is its metadata, `config` this run's whole configuration as a dict), naming the setting and
+    why: another model (but for its vocabulary size, which the tokenizer sets), sequence length,
+    tokenizer vocabulary, global batch or loader seed. Needs no data, so it runs before the data work;
+    the tokenizer itself is compared afterwards (`check_compatible`)."""
+    saved = meta.get("config", {})
+    diffs = [d for d in _dict_diff(saved.get("model", {}), config["model"]) if d[0] != "vocab_size"]
+    if diffs:
+        _refuse_model(where, diffs)
+    data, saved_data = config["data"], saved.get("data", {})
+    saved_len = saved_data.get("seq_len")
+    if saved_len is not None and saved_len != data["seq_len"]:
+        _refuse_seq_len(where, saved_len, data["seq_len"])
+    saved_vocab = saved_data.get("vocab_size")
+    trained = saved_data.get("tokenizer_path") is None and data["tokenizer_path"] is None
+    if trained and saved_vocab is not None and saved_vocab != data["vocab_size"]:
+        raise CheckpointError(
+            f"{where}: data.vocab_size: checkpoint {saved_vocab} vs now {data['vocab_size']}: the tokenizer would "
+            "be trained to another vocabulary, which the weights' embeddings and the saved token stream do not "
+            f"match; resume with --data.vocab_size {saved_vocab}")
+    train, saved_train = config["train"], saved.get("train", {})
+    batch = world_size * train["batch_size"]
+    saved_batch = meta.get("global_batch", batch)
+    if saved_batch != batch and not config["dist"]["allow_global_batch_change"]:
+        raise CheckpointError(
+            f"{where}: written with a global batch of {saved_batch} sequences ({meta.get('world_size')} "
+            f"rank(s)), this run has {batch} ({world_size} x train.batch_size {train['batch_size']}): it would "
+            "read another token stream. Keep ranks x batch_size equal, or set dist.allow_global_batch_change = true")
+    if "seed" in saved_train and "shuffle_seed" in saved_data:
+        saved_seeds, seeds = (saved_train["seed"], saved_data["shuffle_seed"]), (train["seed"], data["shuffle_seed"])
+        if sum(saved_seeds) != sum(seeds):
+            raise CheckpointError(
+                f"{where}: train.seed + data.shuffle_seed: checkpoint {saved_seeds[0]} + {saved_seeds[1]} vs now "
+                f"{seeds[0]} + {seeds[1]}: the loader deals the rows in an order drawn from their sum, so the "
+                f"resumed run would read another token stream; resume with --train.seed {saved_seeds[0]} "
+                f"--data.shuffle_seed {saved_seeds[1]}")
+
+
 def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path,
                      seq_len: int | None = None) -> None:
     """Refuse to resume into a different model, tokenizer or sequence length, naming what differs.
-    (The global batch is checked by the trainer, which knows the rank count.)"""
+    (The global batch is checked by `check_resume_settings`, given the rank count.)"""
     diffs = _dict_diff(meta.get("config", {}).get("model", {}), model_config)
     if diffs:
-        shown = "; ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in diffs[:5])
-        raise CheckpointError(f"{where}: incompatible model config ({shown}): the weights have another shape "
-                              "or meaning; resume with the checkpoint's settings or train into another out_dir")
+        _refuse_model(where, diffs)
     saved_len = meta.get("config", {}).get("data", {}).get("seq_len")
     if seq_len is not None and saved_len is not None and saved_len != seq_len:
-        raise CheckpointError(f"{where}: data.seq_len: checkpoint {saved_len} vs now {seq_len}: the loader's "
-                              "saved position counts rows of the old length, so the resumed run would read "
-                              f"another token stream; resume with --data.seq_len {saved_len}")
+        _refuse_seq_len(where, saved_len, seq_len)
     if meta.get("tokenizer_hash") != tokenizer_hash:
         raise CheckpointError(
             f"{where}: trained with tokenizer {str(meta.get('tokenizer_hash'))[:12]}, "
             f"this run uses {tokenizer_hash[:12]}"
         )
+
+
+def _refuse_model(where: Path, diffs: list[tuple[str, Any, Any]]) -> None:
+    shown = "; ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in diffs[:5])
+    raise CheckpointError(f"{where}: incompatible model config ({shown}): the weights have another shape "
+                          "or meaning; resume with the checkpoint's settings or train into another out_dir")
+
+
+def _refuse_seq_len(where: Path, saved: int, now: int) -> None:
+    raise CheckpointError(f"{where}: data.seq_len: checkpoint {saved} vs now {now}: the loader's saved position "
+                          "counts rows of the old length, so the resumed run would read another token stream; "
+                          f"resume with --data.seq_len {saved}")
 
 
 def _dict_diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,19 +19,27 @@ if TYPE_CHECKING:  # the distributed layer sits above this package: typing only
 
 @torch.no_grad()
 def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
-                 ctx: DistContext | None = None, micro_batch: int | None = None) -> float:
+                 ctx: DistContext | None = None, micro_batch: int | None = None,
+                 stop: Callable[[], bool] | None = None) -> float | None:
     """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
     (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the
     same `max_batches` global batches and the sums are added over ranks. ``micro_batch`` runs each
     batch in slices of that many rows (the training micro-batch: what fits in memory).
+
+    ``stop`` is asked before every batch (Ctrl-C during training's evaluation); when it says so the
+    evaluation ends there and returns None. Under torchrun it must give every rank the same answer.
 
     Runs eagerly (``force_eager``) so no-grad evaluation never compiles or recompiles a frame.
     """
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
+    stopped = False
     with torch.compiler.set_stance("force_eager"), autocast_context(device):
         for batch in data.val_batches(max_batches):
+            if stop is not None and stop():
+                stopped = True
+                break
             # Special-token targets (document ends) stand for no bytes: excluded from both sums.
             targets = batch.targets.masked_fill(batch.target_bytes == 0, IGNORE_INDEX)
             rows = micro_batch or len(batch.inputs)
@@ -41,6 +50,8 @@ def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_b
                                            ignore_index=IGNORE_INDEX, reduction="sum")
             sums[1] += batch.target_bytes.sum()
     model.train(was_training)
+    if stopped:
+        return None
     if ctx is not None:
         ctx.all_reduce_(sums)
     nats, n_bytes = sums.tolist()

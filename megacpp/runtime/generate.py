@@ -31,13 +31,16 @@ def generate_tokens(
     seed: int = 0,
     stop_id: int | Collection[int] | None = None,
     agree: Callable[[Tensor], Tensor] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time; the same prompt, seed and settings give the same tokens.
 
-    Generation ends before any token in ``stop_id`` (one id or several), which is not yielded.
+    Generation ends before any token in ``stop_id`` (one id or several), which is not yielded, and
+    when ``stop()`` (asked before every new token: Ctrl-C during training's sample) says so.
 
     ``agree`` makes every process of a sharded model take the same token (e.g. rank 0's, broadcast):
-    a sharded forward is collective, so all processes must stop at the same step.
+    a sharded forward is collective, so all processes must stop at the same step (and ``stop`` must
+    give every process the same answer).
     """
     if not prompt:
         raise ValueError("generation needs a non-empty prompt (at least the BOS token)")
@@ -49,6 +52,8 @@ def generate_tokens(
     for token in prompt:  # prefill through the step path: one code path, exact cache semantics
         logits = model.forward_step(torch.tensor([[token]], device=device), cache)
     for _ in range(max_new_tokens):
+        if stop is not None and stop():
+            return
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)
         if agree is not None:
             nxt = agree(nxt)

@@ -12,6 +12,7 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,9 @@ from megacpp.errors import Interrupted, MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
-from megacpp.optim import Muon, build_optimizers
+from megacpp.optim import build_optimizers
 from megacpp.optim.local import local_tensor
-from megacpp.runtime.checkpoint import CheckpointError, check_compatible, read_meta
+from megacpp.runtime.checkpoint import CheckpointError, check_compatible, check_resume_settings, read_meta
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
@@ -166,15 +167,20 @@ class Trainer:
         # before minutes of corpus and tokenizer work.
         validate_config(cfg)
         self.mode = configure_mode(tc.deterministic)
-        self.compile_status = prepare_compile(cfg.compile)  # env and Dynamo policy: before any compile or group
+        # env and Dynamo policy: before any compile or process group
+        self.compile_status = prepare_compile(cfg.compile, process_group_timeout_s=cfg.dist.init_timeout_s)
         self.autofit = autofit
         self.ctx = ctx or self._init_distributed()
         self.log = log
         self.run_lock: RunLock | None = None  # held by rank 0 while the run lives
         self.claimed = autofit is not None
+        self._resume_from: Path | None = None  # the checkpoint --resume continues, once looked up
+        self._resume_looked_up = False
         try:
             if resume is not None and not self.claimed:
                 self._claim_run_dir(resume)
+            if resume:  # before the data work, which can take minutes: an incompatible resume stops here
+                self._check_resume_settings()
             self._build(log, progress)
         except BaseException as exc:
             self._fail(exc)
@@ -208,7 +214,7 @@ class Trainer:
         self.health = CompileHealth(bounds_for(cfg.compile))
         self.health.attach(parallelize(self.model, cfg.compile, cfg.dist, ctx))
         self.stack = build_optimizers(self.model, cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      make_muon=ShardedMuon if ctx.distributed else Muon,
+                                      classes={"muon": ShardedMuon} if ctx.distributed else None,
                                       model_compiled=cfg.compile.mode != "none")
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx)
@@ -293,21 +299,39 @@ class Trainer:
                 f"step {self.step}: parameter {name}{where} holds NaN or infinite values; the checkpoint was "
                 f"not written and the previous ones under {self.out_dir / 'checkpoints'} are untouched")
 
+    def _resume_checkpoint(self) -> Path | None:
+        """The newest verified checkpoint of the run directory (rank 0's choice, on every rank), looked up
+        (and hashed) once however often it is asked for."""
+        if not self._resume_looked_up:
+            out_dir = Path(self.cfg.train.out_dir)
+            self._resume_from = dist_checkpoint.find_resume_checkpoint(self.ctx, out_dir, warn=self.log)
+            self._resume_looked_up = True
+        return self._resume_from
+
+    def _check_resume_settings(self) -> None:
+        """Refuse a resume whose settings cannot continue the checkpoint's run, from the configuration
+        alone (megacpp.runtime.checkpoint.check_resume_settings); every rank raises the same error."""
+        path = self._resume_checkpoint()
+        if path is None:
+            return
+        error = None
+        try:
+            check_resume_settings(read_meta(path), to_dict(self.cfg), self.ctx.world_size, path)
+        except CheckpointError as exc:
+            error = str(exc)
+        first = next((e for e in self.ctx.all_gather_objects(error) if e is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
+
     def resume(self) -> Path | None:
-        path = dist_checkpoint.find_resume_checkpoint(self.ctx, self.out_dir, warn=self.log)
+        path = self._resume_checkpoint()
         if path is None:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
-        meta = read_meta(path)
-        check_compatible(meta, to_dict(self.cfg.model), self.data.tokenizer_hash, path, self.cfg.data.seq_len)
-        saved_batch = meta.get("global_batch", self.global_batch)
-        if saved_batch != self.global_batch and not self.cfg.dist.allow_global_batch_change:
-            raise CheckpointError(
-                f"{path}: written with a global batch of {saved_batch} sequences ({meta.get('world_size')} "
-                f"rank(s)), this run has {self.global_batch} ({self.ctx.world_size} x train.batch_size "
-                f"{self.cfg.train.batch_size}): it would read another token stream. Keep ranks x "
-                "batch_size equal, or set dist.allow_global_batch_change = true")
-        state, _ = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
+        self._check_resume_settings()  # again for a Trainer built without resume=True
+        check_compatible(read_meta(path), to_dict(self.cfg.model), self.data.tokenizer_hash, path,
+                         self.cfg.data.seq_len)
+        state, meta = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
         self.stack.load_state_dict(state["optim"])
         self.data.loader.load_state_dict(state["loader"], self.cfg.dist.allow_global_batch_change)
         set_rng_state(state["rng"], self.device)
@@ -391,18 +415,36 @@ class Trainer:
         return float(self.ctx.all_reduce_(elapsed, "max").item()) >= budget
 
     def _interrupt_requested(self, sigint: SigintFlag) -> bool:
-        """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same step)."""
+        """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same point; one
+        process reads its flag alone, with no device work: this is asked before every evaluation batch
+        and sampled token too)."""
+        if not self.ctx.distributed:
+            return sigint.requested
         flag = torch.tensor(float(sigint.requested), device=self.device)
         return bool(self.ctx.all_reduce_(flag, "max").item())
 
-    def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None) -> None:
-        """Save at this step (all ranks together) unless this step's checkpoint was just written."""
+    def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None,
+                          during: str | None = None, redo: str | None = None) -> None:
+        """Save at this step (all ranks together) unless this step's checkpoint was just written, and stop.
+        ``during`` names the phase Ctrl-C cut short. A run already at train.steps is complete: instead of
+        how to resume, the message says so, and ``redo`` (a format string of the checkpoint's ``{path}``)
+        how to do what was skipped."""
         if just_saved is None:
             self._expect_progress(watchdog, True, f"checkpoint at step {self.step} (interrupted)")
-            saved = f"saved checkpoint {self.save()}"
+            path = self.save()
+            saved = f"saved checkpoint {path}"
         else:
+            path = just_saved
             saved = f"no checkpoint was due: {just_saved} was just written"
-        raise Interrupted(f"interrupted at step {self.step}; {saved}")
+        what = f"interrupted during {during} at step {self.step}" if during else f"interrupted at step {self.step}"
+        steps = self.cfg.train.steps
+        if self.step < steps:
+            raise Interrupted(f"{what}; {saved}")
+        if just_saved is not None:
+            saved = f"its final checkpoint {path} was written"
+        redo_hint = "; " + redo.format(path=path) if redo else ""
+        raise Interrupted(f"{what}; {saved}; the run is complete (train.steps {steps}): nothing to resume{redo_hint}",
+                          complete=True)
 
     def _check_divergence(self, loss: float, grad_norm: float | None) -> None:
         """Stop a run that diverged without a NaN (the rule is at DIVERGED_FACTOR). Both values are
@@ -487,8 +529,15 @@ class Trainer:
                 if self.step % tc.eval_every == 0 or final:
                     self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
                     elapsed = self.elapsed()  # before the evaluation: the time it took to get here
-                    val_bpb = evaluate_bpb(self.model, self.data, self.device, tc.eval_batches, ctx,
-                                           self.micro_batch)
+                    # Ctrl-C before or during the evaluation skips (the rest of) it: save this step, stop.
+                    interrupted_before = self._interrupt_requested(sigint)
+                    val_bpb = None if interrupted_before else evaluate_bpb(
+                        self.model, self.data, self.device, tc.eval_batches, ctx, self.micro_batch,
+                        stop=lambda: self._interrupt_requested(sigint))
+                    if val_bpb is None:
+                        self._stop_interrupted(watchdog, None, None if interrupted_before else "the evaluation",
+                                               redo="its final evaluation was skipped: `megacpp eval --checkpoint "
+                                                    "{path}` runs it")
                     if metrics is not None:
                         metrics.log(self.step, "val", {"val_bpb": val_bpb, "tokens": self.step * tokens_per_step,
                                                        "elapsed_s": elapsed})
@@ -510,7 +559,10 @@ class Trainer:
                              f"({self.elapsed():.0f} s): evaluated and saved; stopping before train.steps {tc.steps}")
                     break
             self._expect_progress(watchdog, warm, "the final sample")
-            sample = self.sample_text()
+            sample = self.sample_text(stop=lambda: self._interrupt_requested(sigint))
+            if sample is None:  # Ctrl-C cut it short; the last step's checkpoint is written
+                self._stop_interrupted(watchdog, checkpoint, "the end-of-run sample",
+                                       redo="`megacpp sample --checkpoint {path}` samples from it")
         except BaseException as exc:
             if self.autofit is not None:  # a warmup out-of-memory error leaves here, for a retry
                 in_window = self.steps_started <= WINDOW_STEPS and checkpoint is None
@@ -607,18 +659,30 @@ class Trainer:
         split = self.cfg.train.batch_size // self.micro_batch
         return f" (as {split} micro-batches of {self.micro_batch})" if split > 1 else ""
 
-    def sample_text(self) -> str:
+    def sample_text(self, stop: Callable[[], bool] | None = None) -> str | None:
         """Every rank decodes (a sharded model gathers weights collectively); rank 0's token choice is
-        broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text."""
+        broadcast each step so ranks never disagree on when to stop. Rank 0 writes the text. ``stop``
+        is asked before every token (every rank must get the same answer); when it ends the sample,
+        nothing is written or printed and the result is None."""
         tc = self.cfg.train
         tok = self.data.tokenizer
         prompt = [tok.bos_id, *tok.encode(tc.sample_prompt)]
+        stopped = False
+
+        def stop_here() -> bool:
+            nonlocal stopped
+            stopped = stop is not None and stop()
+            return stopped
+
         self.model.eval()
         with torch.compiler.set_stance("force_eager"):
             tokens = generate_tokens(self.model, prompt, tc.sample_tokens, tc.sample_temperature, tc.sample_top_k,
-                                     tc.seed, stop_id={tok.bos_id, tok.eos_id}, agree=self.ctx.broadcast_)
+                                     tc.seed, stop_id={tok.bos_id, tok.eos_id}, agree=self.ctx.broadcast_,
+                                     stop=stop_here)
             pieces = list(stream_text(tok, tokens))
         self.model.train()
+        if stopped:
+            return None
         text = tc.sample_prompt + "".join(pieces)
         if self.ctx.is_main:
             (self.out_dir / "sample.txt").write_text(text)

@@ -9,6 +9,8 @@ Faults (RANK is the global rank that misbehaves; STEP the training step it does 
   stall@R:S         rank R stops making progress in step S (sleeps)
   kill@R:S          rank R is killed with SIGKILL in step S
   interrupt@R:S     rank R raises KeyboardInterrupt before step S (every rank should use it)
+  sigint_eval@R:S   rank R gets SIGINT (as from Ctrl-C) in the evaluation after step S, after its first batch
+  sigint_sample@R:T rank R gets SIGINT in the end-of-run sample, before its token T (T >= 2)
   ckpt_write@R      rank R fails to write its checkpoint shard (permission denied)
   loader@R          after a resume, rank R's loader is one step ahead
   drift@R:S         after step S, rank R's first MoE selection bias moves by 1e-3
@@ -62,6 +64,30 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
             return loss
 
         Trainer.train_step = train_step
+    elif kind == "sigint_eval":
+        from megacpp.train import loop
+
+        steps_run = {"last": 0}
+        original_step, original_evaluate = Trainer.train_step, loop.evaluate_bpb
+
+        def counting_train_step(self):
+            steps_run["last"] = self.step + 1
+            return original_step(self)
+
+        def evaluate_bpb(*a, stop, **kw):
+            return original_evaluate(*a, stop=_sigint_on_call(stop, 2, steps_run["last"] == step), **kw)
+
+        Trainer.train_step = counting_train_step
+        loop.evaluate_bpb = evaluate_bpb
+    elif kind == "sigint_sample":
+        from megacpp.train import loop
+
+        original_generate = loop.generate_tokens
+
+        def generate_tokens(*a, stop, **kw):
+            return original_generate(*a, stop=_sigint_on_call(stop, step, True), **kw)
+
+        loop.generate_tokens = generate_tokens
     elif kind == "ckpt_write":
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -92,6 +118,21 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
     else:
         raise SystemExit(f"unknown fault {kind!r}")
     return args
+
+
+def _sigint_on_call(stop, call: int, armed: bool):
+    """`stop` that first sends this process SIGINT on its `call`-th use (when `armed`): the trainer asks it
+    before every evaluation batch or sampled token, so Ctrl-C lands in the middle of that work."""
+    calls = 0
+
+    def ask() -> bool:
+        nonlocal calls
+        calls += 1
+        if armed and calls == call:
+            os.kill(os.getpid(), signal.SIGINT)
+        return stop()
+
+    return ask
 
 
 def main() -> int:

@@ -1,0 +1,22 @@
+"""The optimizers an `OptimizerStack` is built from, by name.
+
+The name is the prefix of the routing groups (``"muon:original"``, ``"adamw:embed"``) and of the keys
+of the stack's checkpointed moments (``"<name>/<parameter name>/<state key>"``), so renaming an entry
+changes the checkpoint format; adding one does not. The order is the order the stack steps them in
+and lists them in its ``state_dict()["parts"]``.
+
+A new optimizer is its own module (a `TensorHParamOptimizer` subclass with ``init_state``, and its
+`OptimizerSpec`) plus one line here. Parameters reach it through their modules' hints,
+``ParamHint(optimizer="<name>")`` (megacpp.optim.groups); Muon and AdamW also take the parameters the
+default routing rules send them.
+"""
+from __future__ import annotations
+
+from megacpp.optim.adamw import ADAMW_SPEC
+from megacpp.optim.muon import MUON_SPEC
+from megacpp.optim.spec import OptimizerSpec
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "muon": MUON_SPEC,
+    "adamw": ADAMW_SPEC,
+}

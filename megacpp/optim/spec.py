@@ -1,0 +1,32 @@
+"""`OptimizerSpec`: what the optimizer stack needs to know to build one optimizer of it.
+
+Each optimizer module defines its spec beside its class; `megacpp.optim.registry` lists them by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megacpp.optim.config import OptimConfig
+from megacpp.optim.hparams import TensorHParamOptimizer
+
+if TYPE_CHECKING:  # groups.py reads the registry, which reads the specs: typing only
+    from megacpp.optim.groups import Route
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How `build_optimizers` builds one optimizer from the routed parameters and the OptimConfig.
+
+    The stack calls ``optimizer(param_groups, **settings(cfg), compile_step=..., compile_backend=...)``.
+    Every parameter routed to it joins the param group of its ``group_settings(route, cfg)`` (the
+    group's lr, weight decay, ...): routes with equal settings share a group, named after the route
+    (``"<name>:<subgroup>"``, plus ``":no_decay"`` for parameters never decayed). ``state_bytes`` is the
+    optimizer state it keeps for one parameter, for the routing table.
+    """
+
+    optimizer: type[TensorHParamOptimizer]
+    settings: Callable[[OptimConfig], dict[str, Any]]
+    group_settings: Callable[[Route, OptimConfig], dict[str, Any]]
+    state_bytes: Callable[[Route, OptimConfig], int]
