@@ -123,18 +123,19 @@ def equal_budgets(runs: list[Run]) -> str:
     return "\n".join(rows)
 
 
+def report(runs: list[Run], out: Path) -> str:
+    """Plot `runs` into `out`; return the per-run table and, for several runs, the equal-budget one."""
+    plot(runs, out)
+    parts = [table(runs)] + ([equal_budgets(runs)] if len(runs) > 1 else []) + [f"plot: {out}"]
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
     parser.add_argument("--out", type=Path, default=Path("quality.png"), help="PNG to write")
     args = parser.parse_args()
-    runs = [load_run(arg) for arg in args.runs]
-    plot(runs, args.out)
-    print(table(runs))
-    if len(runs) > 1:
-        print()
-        print(equal_budgets(runs))
-    print(f"plot: {args.out}")
+    print(report([load_run(arg) for arg in args.runs], args.out))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,17 @@ def largest_parts(records: list[dict]) -> str:
     return ", ".join(f"{part} {n}" for part, n in counts.most_common()) or "-"
 
 
+def spread_table(rows: list[tuple[str, dict]]) -> str:
+    """A markdown table of (label, spread(...)) rows."""
+    keys = list(rows[0][1])
+    lines = ["| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for label, figures in rows:
+        cells = [f"{figures[k]:.4f}" if isinstance(figures.get(k), float) else str(figures.get(k, "-"))
+                 for k in keys]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
@@ -62,14 +73,8 @@ def main() -> None:
     for arg in args.runs:
         label, _, path = arg.rpartition("=")
         rows.append((label or Path(path).name, spread(Path(path), first, last)))
-    keys = list(rows[0][1])
     print(f"steps {first}..{last}")
-    print("| run | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
-    for label, figures in rows:
-        cells = [f"{figures[k]:.4f}" if isinstance(figures.get(k), float) else str(figures.get(k, "-"))
-                 for k in keys]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    print(spread_table(rows))
 
 
 if __name__ == "__main__":

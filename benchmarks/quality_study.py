@@ -1,0 +1,79 @@
+"""Train several variants under one budget, one after another, and compare them (issue 13's study).
+
+    python benchmarks/quality_study.py --out /tmp/qs --budget-s 180 \\
+        small="--preset small" dense="--preset dense" \\
+        "small T8192=--preset small --data.seq_len 8192 --train.batch_size 4"
+
+Each variant is `label=arguments of megacpp train`; every run also gets the study's budget
+(`--train.time_budget_s`, or `--steps` for equal tokens), `--train.eval_every`, no intermediate
+checkpoints and its own `--train.out_dir` under --out. Runs are sequential on the same device, each a
+fresh process under a timeout (a hang or a crash is reported and the study goes on). At the end:
+`compare_quality.py`'s tables and plot (--out/quality.png) and `loss_spread.py`'s table, whose last
+column names the block kind with the largest gradient norm at each spike.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compare_quality import load_run, report
+from loss_spread import spread, spread_table
+
+# Beyond the budget: data preparation, the final evaluation, checkpoint and sample.
+SLACK_S = 300
+
+
+def run_variant(label: str, args: list[str], out: Path, budget: list[str], eval_every: int, timeout_s: float
+                ) -> bool:
+    run_dir = out / label.replace(" ", "_")
+    cmd = [sys.executable, "-m", "megacpp.cli", "train", *args, *budget, "--train.eval_every", str(eval_every),
+           "--train.ckpt_every", "1000000", "--train.out_dir", str(run_dir), "--train.overwrite", "true",
+           "--no-progress"]
+    log = out / f"{run_dir.name}.log"
+    start = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    tail = log.read_text().strip().splitlines()[-1:] or [""]
+    print(f"{label}: exit {code} in {time.perf_counter() - start:.0f} s; {tail[0][:160]}", flush=True)
+    return code == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="+", help='label="megacpp train arguments"')
+    parser.add_argument("--out", type=Path, required=True, help="directory for the runs, logs and plot")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-s", type=float, help="wall-clock budget of each run (equal time)")
+    budget.add_argument("--steps", type=int, help="steps of each run (equal tokens at equal batch)")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--spread-steps", default="20:100000", help="first:last step of loss_spread's window")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.budget_s is not None:
+        limit, timeout_s = ["--train.time_budget_s", str(args.budget_s)], args.budget_s + SLACK_S
+    else:
+        limit, timeout_s = ["--train.steps", str(args.steps)], None
+    finished = []
+    for variant in args.variants:
+        label, sep, rest = variant.partition("=")
+        if not sep:
+            parser.error(f"variant {variant!r}: expected label=arguments")
+        if run_variant(label, shlex.split(rest), args.out, limit, args.eval_every, timeout_s):
+            finished.append((label, args.out / label.replace(" ", "_")))
+    if not finished:
+        raise SystemExit("no variant finished")
+    first, last = (int(x) for x in args.spread_steps.split(":"))
+    print(report([load_run(f"{label}={path}") for label, path in finished], args.out / "quality.png"))
+    print(f"\nloss spread, steps {first}..{last}")
+    print(spread_table([(label, spread(path, first, last)) for label, path in finished]))
+
+
+if __name__ == "__main__":
+    main()
