@@ -20,6 +20,7 @@ from megacpp.model.attention import Attention, AttentionConfig
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
 from megacpp.model.moe import MoE, MoEConfig
+from megacpp.model.segments import Segments, document_segments
 
 
 def main() -> None:
@@ -32,11 +33,11 @@ def main() -> None:
     dev = torch.device("cuda")
     d, b, t = args.d_model, args.batch, args.seq
     x = torch.randn(b, t, d, device=dev, requires_grad=True)
-    doc_ids = (torch.arange(t, device=dev) // 512).expand(b, t).contiguous()  # 512-token documents
+    segments = document_segments((torch.arange(t, device=dev) // 512).expand(b, t).contiguous())  # 512-token docs
     mcfg = Mamba3Config(d_state=128, expand=2, head_dim=64, chunk_size=64)
     rows: list[tuple[str, float, str]] = []
 
-    def run(name: str, module: nn.Module, docs: torch.Tensor | None, compiled: bool) -> None:
+    def run(name: str, module: nn.Module, docs: Segments | None, compiled: bool) -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         module = module.to(dev)
@@ -49,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
     run("M megacpp Mamba3, eager", Mamba3(d, mcfg, 0), None, False)
     run("M megacpp Mamba3, compiled", Mamba3(d, mcfg, 0), None, True)
-    run("M megacpp Mamba3, compiled, doc_ids", Mamba3(d, mcfg, 0), doc_ids, True)
+    run("M megacpp Mamba3, compiled, doc_ids", Mamba3(d, mcfg, 0), segments, True)
     bf16_scan = dataclasses.replace(mcfg, scan_matmuls="activation")
     run("M megacpp Mamba3, compiled, bf16 scan matmuls", Mamba3(d, bf16_scan, 0), None, True)
     try:
@@ -62,7 +63,7 @@ def main() -> None:
         print(f"mamba_ssm peer unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
     acfg = AttentionConfig(n_heads=6, n_kv_heads=2, head_dim=128)
     run("A attention (GQA 6/2 x 128), compiled", Attention(d, acfg, 0), None, True)
-    run("A attention, compiled, doc_ids", Attention(d, acfg, 0), doc_ids, True)
+    run("A attention, compiled, doc_ids", Attention(d, acfg, 0), segments, True)
     for dispatch in ("padded", "grouped"):  # "auto", the default, is grouped here (CUDA, bf16 autocast)
         ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True, dispatch=dispatch)
         run(f"E MoE (top-2 of 16 x 1024 + shared), {dispatch}, compiled", MoE(d, ecfg, 0), None, True)

@@ -30,6 +30,7 @@ from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script'
 
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
+from megacpp.model.segments import Segments, document_segments
 from megacpp.ops.mamba3_fused import mamba3_fused_scan
 
 SMALL = Mamba3Config(d_state=128, expand=2, head_dim=64, n_groups=1, chunk_size=64)
@@ -130,10 +131,10 @@ def main() -> None:
 
     d, b, t = args.d_model, args.batch, args.seq
     x = torch.randn(b, t, d, device=dev, requires_grad=True)
-    doc_ids = (torch.arange(t, device=dev) // 512).expand(b, t).contiguous()  # 512-token documents
+    segments = document_segments((torch.arange(t, device=dev) // 512).expand(b, t).contiguous())  # 512-token docs
     rows: list[tuple[str, float, str, float]] = []
 
-    def run(name: str, module: torch.nn.Module, docs: torch.Tensor | None, compiled: bool) -> None:
+    def run(name: str, module: torch.nn.Module, docs: Segments | None, compiled: bool) -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         module = module.to(dev)
@@ -153,7 +154,7 @@ def main() -> None:
             continue
         cfg = dataclasses.replace(SMALL, scan_kernel=kernel, scan_matmuls=matmuls)
         torch.manual_seed(0)
-        run(f"M {name}", Mamba3(d, cfg, 0), doc_ids if docs else None, compiled)
+        run(f"M {name}", Mamba3(d, cfg, 0), segments if docs else None, compiled)
     peer = "mamba_ssm Mamba3 (Triton), eager"
     try:
         from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3

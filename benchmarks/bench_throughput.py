@@ -41,6 +41,7 @@ from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import Block, HybridLM
 from megacpp.model.moe import MoE
 from megacpp.model.params import flops_per_token
+from megacpp.model.segments import document_segments
 from megacpp.optim import build_optimizers
 from megacpp.presets import preset
 from megacpp.runtime.device import peak_flops
@@ -105,7 +106,7 @@ def bench_head(model: HybridLM, b: int, t: int, iters: int, dev: torch.device) -
     d, vocab = model.cfg.d_model, model.cfg.vocab_size
     h = torch.randn(b, t, d, device=dev, requires_grad=True)
     targets = torch.randint(0, vocab, (b, t), device=dev)
-    doc_ids = (torch.arange(t, device=dev) // 512).expand(b, t).contiguous()
+    segments = document_segments((torch.arange(t, device=dev) // 512).expand(b, t).contiguous())
     rows = []
     for name in ("eager", "compiled region"):
         if name == "eager":
@@ -118,7 +119,7 @@ def bench_head(model: HybridLM, b: int, t: int, iters: int, dev: torch.device) -
 
         def step(fn=loss_fn) -> None:
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = fn(h, targets, doc_ids)
+                loss = fn(h, targets, segments)
             loss.backward()
             h.grad = None
             model.zero_grad(set_to_none=True)
@@ -215,7 +216,7 @@ def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[
     """Each kind of `small`'s sublayers as one compiled block, as `blocks` mode compiles it."""
     rows: list[Row] = []
     x = torch.randn(b, t, cfg.model.d_model, device=dev, requires_grad=True)
-    docs = documents(b, t, dev)
+    docs = document_segments(documents(b, t, dev))
     cases = [("A", "", {}), ("M", "", {}), ("M", ", reference scan", {"scan_kernel": "reference"}),
              ("E", "", {}), ("F", "", {}), ("R", "", {})]
     for kind, label, mamba_changes in cases:

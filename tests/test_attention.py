@@ -11,9 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
-from megacpp.model.attention import Attention, AttentionConfig, attend_flex, attend_sdpa
+from megacpp.model.attention import Attention, AttentionConfig, attend
 from megacpp.model.hints import collect_param_hints
 from megacpp.model.rope import rope_table
+from megacpp.model.segments import Segments, document_segments, segments_of
 
 D_MODEL = 32
 FP32_TOL = 200 * torch.finfo(torch.float32).eps  # fp32 module vs float64 reference, O(1) outputs
@@ -119,7 +120,7 @@ def test_tier3_documents_equal_running_them_alone(
     doc_ids = torch.tensor([DOC_IDS, DOC_IDS], device=device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FLEX_EAGER_WARNING)
-        packed = module(x, doc_ids)
+        packed = module(x, document_segments(doc_ids))
         for start, end in segments(DOC_IDS):
             assert_fp32_close(packed[:, start:end], module(x[:, start:end]))
     assert_fp32_close(packed.cpu(), reference_attention(module.cpu(), x.cpu(), DOC_IDS))
@@ -135,8 +136,8 @@ def test_tier3_flex_path_matches_sdpa_mask_path(device: str, softcap: float) -> 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FLEX_EAGER_WARNING)
         for docs in (None, doc_ids):
-            flex = attend_flex(q, k, v, docs, softcap)
-            assert_fp32_close(flex, attend_sdpa(q, k, v, docs, softcap))
+            flex = attend(q, k, v, segments_of(docs, t, q.device, "flex"), softcap)
+            assert_fp32_close(flex, attend(q, k, v, segments_of(docs, t, q.device, "dense"), softcap))
 
 
 @pytest.mark.parametrize("qk_clip", ["off", "weight"])
@@ -225,7 +226,7 @@ def test_tier1_meta_device_build_then_reset_equals_eager_build() -> None:
     assert torch.equal(meta_built.logit_bound, eager_built.logit_bound)
 
 
-def compile_without_breaks(fn: Callable[..., Tensor], backend: str, *args: Tensor) -> Tensor:
+def compile_without_breaks(fn: Callable[..., Tensor], backend: str, *args: Tensor | Segments) -> Tensor:
     torch._dynamo.reset()
     counters.clear()
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
@@ -235,17 +236,25 @@ def compile_without_breaks(fn: Callable[..., Tensor], backend: str, *args: Tenso
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tier1_attend_flex_compiles_fullgraph(device: str) -> None:
-    """create_block_mask with a document mask_mod and the soft-cap score_mod trace without breaks."""
-    q, k, v = (rand(20 + i, 2, h, len(DOC_IDS), 16).to(device) for i, h in enumerate((4, 2, 2)))
+    """The flex block layout built by create_block_mask with a document mask_mod, inside the compiled
+    function (as in compile mode "model") or outside it (a region input, as in "blocks"), and the
+    soft-cap score_mod trace without breaks."""
+    t = len(DOC_IDS)
+    q, k, v = (rand(20 + i, 2, h, t, 16).to(device) for i, h in enumerate((4, 2, 2)))
     doc_ids = torch.tensor([DOC_IDS, sorted(DOC_IDS)], device=device)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:
-        return attend_flex(q, k, v, doc_ids, 2.0)
+    def attend_built_inside(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:
+        return attend(q, k, v, segments_of(doc_ids, t, q.device, "flex"), 2.0)
+
+    def attend_given(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
+        return attend(q, k, v, segments, 2.0)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FLEX_EAGER_WARNING)
-        expected = attend(q, k, v, doc_ids)
-    assert torch.equal(compile_without_breaks(attend, "eager", q, k, v, doc_ids), expected)
+        expected = attend_built_inside(q, k, v, doc_ids)
+    assert torch.equal(compile_without_breaks(attend_built_inside, "eager", q, k, v, doc_ids), expected)
+    segments = segments_of(doc_ids, t, q.device, "flex")
+    assert torch.equal(compile_without_breaks(attend_given, "eager", q, k, v, segments), expected)
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
@@ -259,14 +268,16 @@ def test_tier1_compile_fullgraph_eager_backend_matches_eager(
     module = make(16, backend=backend, **overrides).to(device)
     x = rand(17, 2, len(DOC_IDS), D_MODEL).to(device)
     doc_ids = torch.tensor([DOC_IDS, sorted(DOC_IDS)], device=device)
+    segments = document_segments(doc_ids)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FLEX_EAGER_WARNING)
-        expected = module(x, doc_ids)
-    assert torch.equal(compile_without_breaks(module, "eager", x, doc_ids), expected)
+        expected = module(x, segments)
+    assert torch.equal(compile_without_breaks(module, "eager", x, segments), expected)
 
 
 def test_tier3_compile_fullgraph_inductor() -> None:
     module = make(18, backend="sdpa", qk_clip="weight")
     x, doc_ids = rand(19, 2, len(DOC_IDS), D_MODEL), torch.tensor([DOC_IDS, sorted(DOC_IDS)])
-    expected = module(x, doc_ids)
-    assert_fp32_close(compile_without_breaks(module, "inductor", x, doc_ids), expected)
+    segments = document_segments(doc_ids)
+    expected = module(x, segments)
+    assert_fp32_close(compile_without_breaks(module, "inductor", x, segments), expected)

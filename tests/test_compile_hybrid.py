@@ -74,8 +74,9 @@ def test_thirty_training_steps_without_recompiles():
 
 def test_tier3_blocks_mode_loss_head_is_one_region_equal_to_eager():
     """blocks mode compiles the loss head (final norm, LM head, soft-cap, cross-entropy and two MTP
-    heads with document masking) as one region: one graph, zero breaks, the smaller batch after warmup
-    reuses it, and loss and gradients match the uncompiled model. Tolerance 1e-6 absolute: the same
+    heads with document masking) as one region, and the batch's segments as another: one graph each,
+    zero breaks, the smaller batch after warmup reuses them, and loss and gradients match the
+    uncompiled model. Tolerance 1e-6 absolute: the same
     fp32 ops run through AOTAutograd's traced backward, whose gradient accumulation order may differ
     from eager autograd's by an ulp of O(1) values (the loss is ~ln(97) = 4.6, gradients are < 1)."""
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def test_tier3_blocks_mode_loss_head_is_one_region_equal_to_eager():
     ccfg = CompileConfig(mode="blocks", backend="aot_eager", fullgraph=True)
     with CompileHealth(bounds_for(ccfg)) as health:
         handle = compile_model(compiled, ccfg)
-        assert [r.name for r in handle.regions] == ["blocks.0", "loss"]
+        assert [r.name for r in handle.regions] == ["blocks.0", "segments", "loss"]
         health.attach(handle)
         for b in (3, 2):
             batch = _batch(b, seed=b)
@@ -99,5 +100,6 @@ def test_tier3_blocks_mode_loss_head_is_one_region_equal_to_eager():
                 assert (p.grad - q.grad).abs().max() <= 1e-6, name
             if b == 3:
                 health.end_warmup()
-        stats = health.snapshot()["HybridLM.loss"]
-        assert stats.graphs == 1 and stats.breaks == 0 and stats.recompiles_after_warmup == 0
+        for region in ("HybridLM.loss", "HybridLM.segments"):
+            stats = health.snapshot()[region]
+            assert stats.graphs == 1 and stats.breaks == 0 and stats.recompiles_after_warmup == 0, region

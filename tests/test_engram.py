@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from megacpp.model.engram import WINDOWS, Engram, EngramConfig, NgramHashEmbedding, is_prime
 from megacpp.model.hints import collect_param_hints
+from megacpp.model.segments import Segments, document_segments
 
 D_MODEL, DIM, VOCAB = 16, 8, 50
 FP32_TOL = 200 * torch.finfo(torch.float32).eps  # fp32 module vs float64 reference, O(1) outputs
@@ -41,7 +42,7 @@ def assert_fp32_close(actual: Tensor, expected: Tensor) -> None:
     torch.testing.assert_close(actual.double(), expected.double(), atol=FP32_TOL, rtol=FP32_TOL)
 
 
-def compile_without_breaks(fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+def compile_without_breaks(fn: Callable[..., Tensor], *args: Tensor | Segments) -> Tensor:
     torch._dynamo.reset()
     counters.clear()
     out = torch.compile(fn, backend="eager", fullgraph=True)(*args)
@@ -81,7 +82,7 @@ def test_tier3_engram_matches_loop_reference(gate: bool, with_docs: bool) -> Non
     module = make_engram(1, gate)
     x = rand(2, 2, len(DOC_IDS), D_MODEL)
     doc_ids = torch.tensor([DOC_IDS] * 2) if with_docs else None
-    out = module(x, doc_ids)
+    out = module(x, document_segments(doc_ids))
     assert out.dtype == x.dtype
     assert_fp32_close(out, reference_engram(module, x, DOC_IDS if with_docs else None))
 
@@ -90,7 +91,7 @@ def test_tier3_engram_documents_equal_running_them_alone() -> None:
     """Breaks when positions ignore doc_ids (windows reach back across a document start)."""
     module = make_engram(3, gate=True)
     x = rand(4, 2, len(DOC_IDS), D_MODEL)
-    packed = module(x, torch.tensor([DOC_IDS] * 2))
+    packed = module(x, document_segments(torch.tensor([DOC_IDS] * 2)))
     starts = sorted(set(doc_starts(DOC_IDS, len(DOC_IDS))))
     for start, end in zip(starts, starts[1:] + [len(DOC_IDS)], strict=True):
         assert_fp32_close(packed[:, start:end], module(x[:, start:end]))
@@ -110,14 +111,14 @@ def test_tier3_engram_step_equals_forward(gate: bool) -> None:
 def test_tier1_engram_zero_init_outputs_zeros(gate: bool) -> None:
     module = Engram(D_MODEL, EngramConfig(dim=DIM, gate=gate), layer_idx=0)
     x = rand(7, 2, 5, D_MODEL)
-    assert torch.equal(module(x, torch.tensor([[0, 0, 1, 1, 1]] * 2)), torch.zeros_like(x))
+    assert torch.equal(module(x, document_segments(torch.tensor([[0, 0, 1, 1, 1]] * 2))), torch.zeros_like(x))
     assert collect_param_hints(module)["mix"].optimizer == "adamw"
 
 
 def test_tier1_engram_compile_fullgraph_no_breaks() -> None:
     module = make_engram(8, gate=True)
-    x, doc_ids = rand(9, 2, len(DOC_IDS), D_MODEL), torch.tensor([DOC_IDS, sorted(DOC_IDS)])
-    assert torch.equal(compile_without_breaks(module, x, doc_ids), module(x, doc_ids))
+    x, segments = rand(9, 2, len(DOC_IDS), D_MODEL), document_segments(torch.tensor([DOC_IDS, sorted(DOC_IDS)]))
+    assert torch.equal(compile_without_breaks(module, x, segments), module(x, segments))
 
 
 # ---------------------------------------------------------------- n-gram hash embedding
@@ -151,9 +152,8 @@ def reference_ids(module: NgramHashEmbedding, seq: list[int], doc_ids: list[int]
 def test_tier1_ngram_ids_match_reference_and_are_pinned() -> None:
     module = make_ngram(10)
     seq = [3, 17, 17, 42, 0, 49, 3, 17, 8, 8, 1]
-    assert module.hash_ids(torch.tensor([seq]), torch.tensor([DOC_IDS]))[0].tolist() == reference_ids(
-        module, seq, DOC_IDS
-    )
+    packed = module.hash_ids(torch.tensor([seq]), document_segments(torch.tensor([DOC_IDS])))
+    assert packed[0].tolist() == reference_ids(module, seq, DOC_IDS)
     # The hash is part of the checkpoint format: changing constants or layout silently remaps every row.
     assert module.table_sizes == (101, 103, 107, 109)
     assert module.hash_ids(torch.tensor([seq[:4]]))[0].tolist() == PINNED_IDS
@@ -166,11 +166,11 @@ def test_tier1_ngram_documents_hash_alone_and_packed() -> None:
     """Breaks when positions ignore doc_ids: a document's first n-grams hash the previous document's tokens."""
     module = make_ngram(12)
     seq = tokens(13, 2, len(DOC_IDS))
-    packed = module.hash_ids(seq, torch.tensor([DOC_IDS] * 2))
+    packed = module.hash_ids(seq, document_segments(torch.tensor([DOC_IDS] * 2)))
     starts = sorted(set(doc_starts(DOC_IDS, len(DOC_IDS))))
     for start, end in zip(starts, starts[1:] + [len(DOC_IDS)], strict=True):
         assert torch.equal(packed[:, start:end], module.hash_ids(seq[:, start:end]))
-    out = module(seq, torch.tensor([DOC_IDS] * 2))
+    out = module(seq, document_segments(torch.tensor([DOC_IDS] * 2)))
     assert_fp32_close(out[:, 3:5], module(seq[:, 3:5]))
 
 
@@ -204,9 +204,9 @@ def test_ngram_table_sizes_are_distinct_primes(table_size: int) -> None:
 
 
 def test_tier1_ngram_zero_init_and_compile_fullgraph_no_breaks() -> None:
-    seq, doc_ids = tokens(16, 2, len(DOC_IDS)), torch.tensor([DOC_IDS, sorted(DOC_IDS)])
+    seq, segments = tokens(16, 2, len(DOC_IDS)), document_segments(torch.tensor([DOC_IDS, sorted(DOC_IDS)]))
     fresh = NgramHashEmbedding(VOCAB, D_MODEL, EngramConfig(ngram_dim=DIM))
-    assert torch.equal(fresh(seq, doc_ids), torch.zeros(2, len(DOC_IDS), D_MODEL))
+    assert torch.equal(fresh(seq, segments), torch.zeros(2, len(DOC_IDS), D_MODEL))
     module = make_ngram(17)
-    assert torch.equal(compile_without_breaks(module, seq, doc_ids), module(seq, doc_ids))
+    assert torch.equal(compile_without_breaks(module, seq, segments), module(seq, segments))
 

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from megacpp.model.ffn import FFN, FFNConfig
+from megacpp.model.segments import document_segments
 
 D_MODEL, HIDDEN = 16, 24
 FP32_TOL = 200 * torch.finfo(torch.float32).eps  # fp32 module vs float64 reference, O(1) outputs
@@ -60,9 +61,9 @@ def test_tier1_ffn_zero_init_and_step(activation: str) -> None:
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_tier1_ffn_compile_fullgraph_no_breaks(activation: str) -> None:
     module = make(5, activation)
-    x, doc_ids = rand(6, 2, 7, D_MODEL), torch.tensor([[0, 0, 1, 1, 1, 2, 2]] * 2)
+    x, segments = rand(6, 2, 7, D_MODEL), document_segments(torch.tensor([[0, 0, 1, 1, 1, 2, 2]] * 2))
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(module, backend="eager", fullgraph=True)(x, doc_ids)
+    out = torch.compile(module, backend="eager", fullgraph=True)(x, segments)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert torch.equal(out, module(x, doc_ids))
+    assert torch.equal(out, module(x, segments))

@@ -6,6 +6,7 @@ from torch._dynamo.utils import counters
 
 from megacpp.model.hints import collect_param_hints
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.model.segments import document_segments
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
 
 B, T, H, DK, DV, D = 2, 7, 2, 3, 4, 8
@@ -189,7 +190,7 @@ def test_tier3_mixer_doc_ids_isolate_documents():
     """Breaks when _keep_mask keeps every step (f never zeroed at a start): the second document sees the first."""
     m = make_mixer(2)
     x = torch.randn(1, 6, D, dtype=torch.float64)
-    y = m(x, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    y = m(x, document_segments(torch.tensor([[0, 0, 0, 1, 1, 1]])))
     torch.testing.assert_close(y[:, 3:], m(x[:, 3:]), **F64_TOL)
     torch.testing.assert_close(y[:, :3], m(x[:, :3]), **F64_TOL)
 
@@ -212,7 +213,7 @@ def test_tier1_init_and_hints():
 def test_tier3_gradients_finite_and_reach_every_parameter():
     m = make_mixer(3, dtype=torch.float32)
     x = torch.randn(B, T, D, requires_grad=True)
-    m(x, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * B)).square().sum().backward()
+    m(x, document_segments(torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * B))).square().sum().backward()
     for name, p in [("x", x), *m.named_parameters()]:
         assert bool(torch.isfinite(p.grad).all()), name
         assert bool(p.grad.abs().sum() > 0), name
@@ -234,13 +235,13 @@ def test_tier2_rerun_identical():
 def test_tier3_compiles_fullgraph_eager_backend_zero_breaks():
     m = make_mixer(5, dtype=torch.float32)
     x = torch.randn(B, T, D)
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * B)
+    segments = document_segments(torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * B))
     torch._dynamo.reset()
     counters.clear()
-    y = torch.compile(m, backend="eager", fullgraph=True)(x, doc_ids=doc_ids)
+    y = torch.compile(m, backend="eager", fullgraph=True)(x, segments)
     y.sum().backward()
     assert len(counters["graph_break"]) == 0, dict(counters["graph_break"])
-    torch.testing.assert_close(y, m(x, doc_ids=doc_ids), **F32_TOL)
+    torch.testing.assert_close(y, m(x, segments), **F32_TOL)
 
 
 def test_tier3_dynamic_batch_compiles_once():

@@ -36,6 +36,7 @@ import torch
 
 from megacpp.config import Config, ConfigError, apply_overrides
 from megacpp.model.mamba3 import Mamba3, Mamba3Config, _segmented_cumsum
+from megacpp.model.segments import document_segments
 from megacpp.ops import mamba3_fused
 from megacpp.ops.mamba3_fused import (
     ScanKernelError,
@@ -215,7 +216,7 @@ def _mixer_errors() -> dict[str, tuple[float, float]]:
             for param in mixer.parameters():
                 param.add_(0.3 * torch.randn_like(param))
         u = torch.randn(2, 41, 32, generator=torch.Generator().manual_seed(31))
-        y = mixer(u, _doc_ids(2, 41, 16))
+        y = mixer(u, document_segments(_doc_ids(2, 41, 16)))
         grads = torch.autograd.grad(y.square().sum(), list(mixer.parameters()))
         results.append({"y": y.detach(), **dict(zip([n for n, _ in mixer.named_parameters()], grads, strict=True))})
     ref, got = results
@@ -322,7 +323,7 @@ def _old_mixer_forward(mixer: Mamba3, u: torch.Tensor, doc_ids) -> torch.Tensor:
     angle_step = torch.pi * torch.tanh(theta.float())[:, :, None, :] * dt[..., None]
     B = mixer.B_norm(B.float().view(b, t, g, n)).repeat_interleave(h // g, dim=2) + mixer.B_bias
     C = mixer.C_norm(C.float().view(b, t, g, n)).repeat_interleave(h // g, dim=2) + mixer.C_bias
-    angles = _segmented_cumsum(angle_step, doc_ids)
+    angles = _segmented_cumsum(angle_step, document_segments(doc_ids).start_offsets)
     y = mamba3_scan(x.view(b, t, h, p), rotate_pairs(B, angles), rotate_pairs(C, angles), A * dt, dt,
                     torch.sigmoid(trap.float()), D=mixer.D, z=z.view(b, t, h, p), doc_ids=doc_ids,
                     chunk_size=mixer.cfg.chunk_size)
@@ -339,7 +340,7 @@ def test_tier1_mixer_on_cpu_unchanged_by_the_fused_op(n_groups):
             param.add_(0.3 * torch.randn_like(param))
     u = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(23))
     doc_ids = _doc_ids(2, 21, 8)
-    new = mixer(u, doc_ids)
+    new = mixer(u, document_segments(doc_ids))
     old = _old_mixer_forward(mixer, u, doc_ids)
     assert torch.equal(new, old)
     params = list(mixer.parameters())

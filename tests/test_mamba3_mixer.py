@@ -18,6 +18,7 @@ from megacpp.model.mamba3_convert import (
     from_mamba_ssm,
     to_mamba_ssm,
 )
+from megacpp.model.segments import document_segments
 from megacpp.ops.mamba3_fused import rotate_pairs
 from tests.helpers import assert_close_scaled, documents, spans
 
@@ -72,7 +73,7 @@ def test_tier3_packed_documents_are_isolated():
     bounds = [0, 7, 8, 19, 30]
     doc_ids = documents(bounds)
     with torch.no_grad():
-        packed = mixer(x, doc_ids)
+        packed = mixer(x, document_segments(doc_ids))
         for lo, hi in spans(bounds):
             assert_close_scaled(packed[:, lo:hi], mixer(x[:, lo:hi]), F32_TOL)
 
@@ -80,7 +81,7 @@ def test_tier3_packed_documents_are_isolated():
 def test_tier3_segmented_cumsum_restarts_per_document():
     step = torch.randn(2, 9, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(30))
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [7, 7, 7, 7, 7, 7, 3, 3, 3]])
-    out = _segmented_cumsum(step, doc_ids)
+    out = _segmented_cumsum(step, document_segments(doc_ids).start_offsets)
     for row, bounds in ((0, [0, 3, 5, 9]), (1, [0, 6, 9])):
         for lo, hi in spans(bounds):
             assert_close_scaled(out[row, lo:hi], step[row, lo:hi].cumsum(0), 1e-12)
@@ -101,7 +102,7 @@ def test_tier3_gradients_finite_with_documents():
     mixer = make_mixer(7)
     x = tokens(2, 19, seed=8).requires_grad_()
     doc_ids = torch.tensor([[0] * 8 + [1] * 11, [0] * 3 + [1] * 16])
-    mixer(x, doc_ids).square().sum().backward()
+    mixer(x, document_segments(doc_ids)).square().sum().backward()
     assert torch.isfinite(x.grad).all()
     for name, param in mixer.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
@@ -121,9 +122,9 @@ def test_tier3_bf16_autocast_close_to_float32():
 def test_tier1_activation_scan_matmuls_with_fp32_activations_is_the_fp32_path():
     """Without autocast the activation dtype is fp32, so "activation" narrows nothing."""
     x = tokens(2, 13, seed=17)
-    doc_ids = torch.tensor([[0] * 5 + [1] * 8] * 2)
+    segments = document_segments(torch.tensor([[0] * 5 + [1] * 8] * 2))
     with torch.no_grad():
-        assert torch.equal(make_mixer(9, scan_matmuls="activation")(x, doc_ids), make_mixer(9)(x, doc_ids))
+        assert torch.equal(make_mixer(9, scan_matmuls="activation")(x, segments), make_mixer(9)(x, segments))
 
 
 def test_tier3_activation_scan_matmuls_under_bf16_autocast_close_to_float32():
@@ -148,7 +149,7 @@ def test_tier2_forward_rerun_identical():
     x = tokens(2, 13, seed=12)
     doc_ids = torch.tensor([[0] * 5 + [1] * 8] * 2)
     with torch.no_grad():
-        assert torch.equal(mixer(x, doc_ids), mixer(x, doc_ids))
+        assert torch.equal(mixer(x, document_segments(doc_ids)), mixer(x, document_segments(doc_ids)))
 
 
 def test_tier1_compile_fullgraph_eager_backend_no_graph_breaks():
@@ -160,11 +161,11 @@ def test_tier1_compile_fullgraph_eager_backend_no_graph_breaks():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(mixer, fullgraph=True, backend="eager")
-    y = compiled(x, doc_ids)
+    y = compiled(x, document_segments(doc_ids))
     y.sum().backward()
     assert not counters["graph_break"]
     with torch.no_grad():
-        assert torch.equal(y.detach(), mixer(x, doc_ids))
+        assert torch.equal(y.detach(), mixer(x, document_segments(doc_ids)))
 
 
 def test_tier3_compile_inductor_no_graph_breaks():
@@ -176,9 +177,9 @@ def test_tier3_compile_inductor_no_graph_breaks():
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        y = torch.compile(mixer, fullgraph=True)(x, doc_ids)
+        y = torch.compile(mixer, fullgraph=True)(x, document_segments(doc_ids))
         assert not counters["graph_break"]
-        assert_close_scaled(y, mixer(x, doc_ids), F32_TOL)
+        assert_close_scaled(y, mixer(x, document_segments(doc_ids)), F32_TOL)
 
 
 def test_tier1_reset_parameters_follows_reference_init():

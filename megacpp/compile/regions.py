@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from megacpp.compile.config import CompileConfig
@@ -82,7 +83,8 @@ def mark_batch_dynamic(*tensors: torch.Tensor | None) -> None:
 
 
 def _mark_batch_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0]
+    # Tensors inside pytree containers too: the hybrid's blocks take the batch's `Segments` NamedTuple.
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.dim() > 0]
     if not tensors:
         return
     batch = tensors[0].size(0)

@@ -1,23 +1,24 @@
 """A block mixer: grouped-query causal attention with RoPE, QK-norm, document masking and a KV cache.
 
-Two attention kernels share one signature ``(q, k, v, doc_ids, softcap) -> out``:
-``attend_sdpa`` (SDPA; explicit softmax when a logit soft-cap is on) and ``attend_flex``
-(FlexAttention with a document block mask and a soft-cap score_mod). q is (b, H, t, hd); k and v are
-(b, Hkv, t, hd) with H a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+The attention mask comes precomputed in the `Segments` the model builds once per forward, in the kind
+`mask_kind` asks for: none (SDPA's causal kernels), a dense boolean keep-mask (SDPA, or an
+explicit softmax when a logit soft-cap is on) or FlexAttention's block layout (a soft-cap score_mod).
+q is (b, H, t, hd); k and v are (b, Hkv, t, hd) with H a multiple of Hkv (query head h reads kv head
+h // (H / Hkv)).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from megacpp.model.hints import ParamHint
-from megacpp.model.rope import apply_rope, document_index, positions_in_document, rope_table
+from megacpp.model.rope import apply_rope, rope_table
+from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, block_mask, segments_of
 
 QkClipMode = Literal["off", "weight", "activation"]
 AttentionBackend = Literal["auto", "sdpa", "flex"]
@@ -40,14 +41,17 @@ class AttentionConfig:
     backend: AttentionBackend = "auto"  # flex applies on CUDA; CPU always uses SDPA
 
 
-def causal_document_mask(doc_ids: Tensor | None, t: int, device: torch.device) -> Tensor:
-    """Boolean keep-mask (b or 1, 1, t, t): causal, and within one document when doc_ids is given."""
-    idx = torch.arange(t, device=device)
-    mask = (idx[:, None] >= idx[None, :])[None, None]
-    if doc_ids is None:
-        return mask
-    docs = document_index(doc_ids)
-    return mask & (docs[:, None, :, None] == docs[:, None, None, :])
+def mask_kind(cfg: AttentionConfig, device: torch.device, has_documents: bool) -> MaskKind:
+    """The mask attention under `cfg` needs on `device`. FlexAttention only on CUDA: it has no CPU
+    backward, so CPU always takes the SDPA paths. "auto" also needs a dense mask to replace and
+    torch.compile around it (eager flex materialises the full score matrix, no better than SDPA's
+    masked kernels); the model asks from the region it builds its segments in, which runs compiled
+    exactly when the attention layers do."""
+    needs_mask = has_documents or cfg.softcap > 0
+    if device.type == "cuda" and cfg.backend != "sdpa":
+        if cfg.backend == "flex" or (needs_mask and torch.compiler.is_compiling()):
+            return "flex"
+    return "dense" if needs_mask else "none"
 
 
 def _attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
@@ -68,37 +72,25 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attend_sdpa(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, softcap: float = 0.0
-) -> Tensor:
-    """Causal (document-masked) attention through SDPA; the mask-free causal case keeps flash kernels."""
-    if doc_ids is None and softcap <= 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return attend_masked(q, k, v, causal_document_mask(doc_ids, q.shape[2], q.device), softcap)
-
-
-def _causal_mask_mod(docs: Tensor | None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    if docs is None:
-        return lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
-    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-
-
-def attend_flex(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, softcap: float = 0.0
-) -> Tensor:
-    """Causal (document-masked) attention through FlexAttention; same contract as attend_sdpa."""
-    b, _, t, _ = q.shape
-    docs = None if doc_ids is None else document_index(doc_ids)
-    block_mask = create_block_mask(
-        _causal_mask_mod(docs), B=None if docs is None else b, H=None, Q_LEN=t, KV_LEN=t, device=q.device
-    )
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, softcap: float) -> Tensor:
+    """Attention through FlexAttention under a block mask, with the soft-cap as a score_mod."""
     score_mod = None
     if softcap > 0:
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return softcap * torch.tanh(score / softcap)
-    return flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments, softcap: float) -> Tensor:
+    """Causal attention within each document of `segments`, through the mask they carry: flex block
+    layout, dense keep-mask, or none (SDPA's mask-free causal kernels, flash included)."""
+    if segments.flex_blocks is not None:
+        return attend_flex(q, k, v, block_mask(segments, q.shape[2]), softcap)
+    if segments.attention_mask is not None:
+        return attend_masked(q, k, v, segments.attention_mask, softcap)
+    if segments.doc_ids is not None or softcap > 0:
+        raise ValueError("attend: documents or a soft-cap need the attention mask in segments (segments_of)")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -136,18 +128,23 @@ class Attention(nn.Module):
         if self.cfg.qk_clip != "off":
             self.logit_bound.zero_()
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def attention_mask_kind(self, device: torch.device, has_documents: bool) -> MaskKind:
+        """Mixer hook: the mask the model builds once per forward for its attention layers."""
+        return mask_kind(self.cfg, device, has_documents)
+
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         b, t, _ = x.shape
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} > AttentionConfig.max_seq_len={self.cfg.max_seq_len}")
-        if doc_ids is None:
-            positions = torch.arange(t, device=x.device)[None]
-        else:
-            positions = positions_in_document(doc_ids)  # each document starts at RoPE position 0
-        q, k, v = self._project(x, positions)
+        if segments.attention_mask is None and segments.flex_blocks is None:
+            # Called on its own, without a mask: build this call's (HybridLM passes the forward's).
+            kind = self.attention_mask_kind(x.device, segments.doc_ids is not None)
+            segments = segments_of(segments.doc_ids, t, x.device, kind) if kind != "none" else segments
+        # Each document starts at RoPE position 0.
+        q, k, v = self._project(x, segments.document_positions(t, x.device))
         if self.cfg.qk_clip != "off":
             q = self._record_and_clip(q, k)
-        y = self._attend(q, k, v, doc_ids)
+        y = attend(q, k, v, segments, self.cfg.softcap)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1)).to(x.dtype)
 
     def init_cache(
@@ -206,22 +203,6 @@ class Attention(nn.Module):
         if self.cfg.qk_clip == "activation":
             q = q * self._clip_factor(bound).to(q.dtype)
         return q
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None) -> Tensor:
-        if self._use_flex(q.device, doc_ids):
-            return attend_flex(q, k, v, doc_ids, self.cfg.softcap)
-        return attend_sdpa(q, k, v, doc_ids, self.cfg.softcap)
-
-    def _use_flex(self, device: torch.device, doc_ids: Tensor | None) -> bool:
-        """FlexAttention only on CUDA: it has no CPU backward, so CPU always takes the SDPA paths.
-        "auto" also needs a dense mask to replace and torch.compile around it (eager flex
-        materialises the full score matrix, no better than SDPA's masked kernels)."""
-        if device.type != "cuda" or self.cfg.backend == "sdpa":
-            return False
-        if self.cfg.backend == "flex":
-            return True
-        needs_mask = doc_ids is not None or self.cfg.softcap > 0
-        return needs_mask and torch.compiler.is_compiling()
 
 
 def _validate(cfg: AttentionConfig) -> None:

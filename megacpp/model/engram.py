@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
-from megacpp.model.rope import positions_in_document
+from megacpp.model.segments import WHOLE_ROWS, Segments
 
 WINDOWS = (2, 3, 4)  # Engram averages the current token with the previous 1, 2 and 3
 _GOLDEN = 0x9E3779B1  # odd 32-bit golden-ratio constant; the seed of the fixed hash multipliers
@@ -29,13 +29,6 @@ class EngramConfig:
     ngram_heads: int = 2
     ngram_table_size: int = 0  # 0 = next prime >= 2 * vocab; else rounded up to a prime
     ngram_dim: int = 64  # width of the hash-table embeddings before the projection to d_model
-
-
-def _positions(doc_ids: Tensor | None, t: int, device: torch.device) -> Tensor:
-    """(b or 1, t) offset of each token inside its document (the whole row is one document if None)."""
-    if doc_ids is None:
-        return torch.arange(t, device=device)[None]
-    return positions_in_document(doc_ids)
 
 
 def _shift(x: Tensor, lag: int, fill: float | int) -> Tensor:
@@ -83,9 +76,9 @@ class Engram(nn.Module):
             nn.init.normal_(self.gate.weight, std=self.d_model**-0.5)
         nn.init.zeros_(self.out.weight)
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         h = self.down(x)
-        pos = _positions(doc_ids, x.shape[1], x.device)[..., None]
+        pos = segments.document_positions(x.shape[1], x.device)[..., None]
         lagged = [(_shift(h, lag, 0.0), pos >= lag) for lag in range(1, max(WINDOWS))]
         return self._combine(x, h, _window_means(h, lagged))
 
@@ -167,17 +160,17 @@ class NgramHashEmbedding(nn.Module):
         self.moduli.copy_(torch.tensor(self.table_sizes))
         self.offsets.copy_(torch.tensor([0, *self.table_sizes[:-1]]).cumsum(0))
 
-    def hash_ids(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def hash_ids(self, idx: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """(b, t, n_tables) int64 rows of `embed` for the n-grams ending at each position."""
-        pos = _positions(doc_ids, idx.shape[1], idx.device)
+        pos = segments.document_positions(idx.shape[1], idx.device)
         columns = [
             torch.where(pos >= lag, _shift(idx, lag, self.none_id), self.none_id)
             for lag in range(self.max_order - 1, 0, -1)
         ]
         return self._rows(torch.stack([*columns, idx], dim=-1))
 
-    def forward(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        return self.proj(self.embed(self.hash_ids(idx, doc_ids)).sum(dim=2))
+    def forward(self, idx: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
+        return self.proj(self.embed(self.hash_ids(idx, segments)).sum(dim=2))
 
     def init_cache(self, batch_size: int, device: torch.device | str) -> dict[str, Tensor]:
         """previous: the last max_order-1 token ids, oldest first ("none" before the first token)."""

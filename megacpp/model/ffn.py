@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.segments import WHOLE_ROWS, Segments
+
 Activation = Literal["relu2", "swiglu"]
 ACTIVATIONS = get_args(Activation)
 
@@ -39,7 +41,8 @@ class FFN(nn.Module):
             nn.init.normal_(self.gate.weight, std=self.d_model**-0.5)
         nn.init.zeros_(self.down.weight)
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
+        """x (b, t, d) -> (b, t, d) in x.dtype; segments is unused: the MLP acts per token."""
         if self.gate is None:
             hidden = F.relu(self.up(x)).square()
         else:

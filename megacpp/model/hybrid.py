@@ -19,6 +19,7 @@ from megacpp.model.config import ModelConfig
 from megacpp.model.engram import Engram, NgramHashEmbedding
 from megacpp.model.pattern import expand_pattern
 from megacpp.model.registry import BLOCK_KINDS
+from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, segments_of
 
 IGNORE_INDEX = -1
 
@@ -33,11 +34,11 @@ class Block(nn.Module):
         self.mixer = block_kind.mixer_class()(cfg.d_model, getattr(cfg, block_kind.config_field), layer_idx)
         self.engram = Engram(cfg.d_model, cfg.engram, layer_idx) if layer_idx in cfg.engram.layers else None
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         h = self.norm(x)
-        out = x + self.mixer(h, doc_ids)
+        out = x + self.mixer(h, segments)
         if self.engram is not None:
-            out = out + self.engram(h, doc_ids)
+            out = out + self.engram(h, segments)
         return out
 
     def init_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -69,8 +70,10 @@ class MTPHead(nn.Module):
 
 class HybridLM(nn.Module):
     # Methods that `blocks` compile mode compiles as regions of their own besides the blocks
-    # (megacpp.compile.regions): the head's large (b, t, vocab) intermediates fuse there.
-    head_regions: ClassVar[tuple[str, ...]] = ("loss",)
+    # (megacpp.compile.regions). `segments`: the attention mask is built compiled exactly when the
+    # attention blocks run compiled, so it takes the kind they would pick (`Attention.attention_mask_kind`)
+    # and FlexAttention's block layout fuses; `loss`: the head's large (b, t, vocab) intermediates fuse.
+    head_regions: ClassVar[tuple[str, ...]] = ("segments", "loss")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -81,6 +84,11 @@ class HybridLM(nn.Module):
             NgramHashEmbedding(cfg.vocab_size, cfg.d_model, cfg.engram) if cfg.engram.ngram_hash else None
         )
         self.blocks = nn.ModuleList(Block(kind, cfg, i) for i, kind in enumerate(self.layout))
+        # The first mixer with the `attention_mask_kind` hook names the mask of the forward (all attention
+        # layers share one config); None: no layer reads a mask, none is built.
+        self._mask_block = next(
+            (i for i, block in enumerate(self.blocks) if hasattr(block.mixer, "attention_mask_kind")), None
+        )
         self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPHead(cfg.d_model, cfg.norm_eps) for _ in range(cfg.mtp_depth))
@@ -108,10 +116,20 @@ class HybridLM(nn.Module):
 
     # ------------------------------------------------------------------ training forward
 
-    def embed(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def segments(self, idx: Tensor, doc_ids: Tensor | None = None) -> Segments:
+        """The batch's document structure and its attention mask, computed once per forward and read by
+        every layer. A compiled region of its own in ``blocks`` mode (`head_regions`)."""
+        return segments_of(doc_ids, idx.shape[1], idx.device, self._mask_kind(idx.device, doc_ids is not None))
+
+    def _mask_kind(self, device: torch.device, has_documents: bool) -> MaskKind:
+        if self._mask_block is None:
+            return "none"
+        return self.blocks[self._mask_block].mixer.attention_mask_kind(device, has_documents)
+
+    def embed(self, idx: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         x = self.tok_embed(idx)
         if self.ngram_embed is not None:
-            x = x + self.ngram_embed(idx, doc_ids)
+            x = x + self.ngram_embed(idx, segments)
         return x
 
     def logits(self, h: Tensor) -> Tensor:
@@ -119,10 +137,10 @@ class HybridLM(nn.Module):
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
-    def hidden(self, idx: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        x = self.embed(idx, doc_ids)
+    def hidden(self, idx: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
+        x = self.embed(idx, segments)
         for block in self.blocks:
-            x = block(x, doc_ids)
+            x = block(x, segments)
         return x
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
@@ -130,27 +148,28 @@ class HybridLM(nn.Module):
 
         Targets equal to -1 are ignored.
         """
-        h = self.hidden(idx, doc_ids)
+        segments = self.segments(idx, doc_ids)
+        h = self.hidden(idx, segments)
         if targets is None:
             return self.logits(h)
-        return self.loss(h, targets, doc_ids)
+        return self.loss(h, targets, segments)
 
-    def loss(self, h: Tensor, targets: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def loss(self, h: Tensor, targets: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """The training loss from the last hidden state: final norm, LM head, soft-cap, cross-entropy,
         plus the weighted loss of the MTP heads. One compiled region in ``blocks`` mode (`head_regions`)."""
         loss = F.cross_entropy(self.logits(h).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         if len(self.mtp) > 0:
-            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, doc_ids)
+            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, segments.index)
         return loss
 
-    def _mtp_loss(self, h: Tensor, targets: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def _mtp_loss(self, h: Tensor, targets: Tensor, document_index: Tensor | None) -> Tensor:
         """Head k (1-based) at position t predicts targets[t + k]; never across a document boundary."""
         losses = []
         for k, head in enumerate(self.mtp, start=1):
             h = head(h)
             shifted = F.pad(targets[:, k:], (0, k), value=IGNORE_INDEX)
-            if doc_ids is not None:
-                same_doc = F.pad(doc_ids[:, k:] == doc_ids[:, :-k], (0, k), value=False)
+            if document_index is not None:
+                same_doc = F.pad(document_index[:, k:] == document_index[:, :-k], (0, k), value=False)
                 shifted = torch.where(same_doc, shifted, torch.full_like(shifted, IGNORE_INDEX))
             logits = self.logits(h)
             losses.append(F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX))

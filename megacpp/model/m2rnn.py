@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
+from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
 
 
@@ -86,9 +87,9 @@ class M2RNN(nn.Module):
         gated = F.silu(self.gate(x)).to(y.dtype) * y.reshape(b, t, -1)
         return self.out_proj(gated.to(x.dtype)).to(x.dtype)
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         q, k, v, f = self._project(x)
-        y = m2rnn_scan(q, k, v.to(q.dtype), f, self.W, doc_ids=doc_ids)
+        y = m2rnn_scan(q, k, v.to(q.dtype), f, self.W, doc_ids=segments.doc_ids)
         return self._output(x, y)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> dict[str, Tensor]:

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
+from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.mamba3_fused import ScanKernel, biased_heads, mamba3_fused_scan, rotate_pairs
-from megacpp.ops.mamba3_scan import doc_boundaries, mamba3_step
+from megacpp.ops.mamba3_scan import mamba3_step
 
 ScanMatmuls = Literal["fp32", "activation"]
 
@@ -113,13 +114,14 @@ class Mamba3(nn.Module):
         self.C_norm.reset_parameters()
         nn.init.zeros_(self.out_proj.weight)
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         proj = self._project(x)
-        theta = _segmented_cumsum(proj.angle_step, doc_ids)
+        theta = _segmented_cumsum(proj.angle_step, segments.start_offsets)
         matmul_dtype = proj.x.dtype if self.cfg.scan_matmuls == "activation" else None
         y = mamba3_fused_scan(
             proj.x, proj.z, proj.B, proj.C, self.B_bias, self.C_bias, theta, proj.adt, proj.dt, proj.lam, self.D,
-            doc_ids=doc_ids, chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype, kernel=self.cfg.scan_kernel,
+            doc_ids=segments.doc_ids, chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype,
+            kernel=self.cfg.scan_kernel,
         )
         return self.out_proj(y.flatten(2))
 
@@ -170,14 +172,13 @@ class Mamba3(nn.Module):
 
 
 
-def _segmented_cumsum(step: Tensor, doc_ids: Tensor | None) -> Tensor:
-    """Cumulative sum over dim 1 that restarts at every document start (static shapes, no host sync)."""
+def _segmented_cumsum(step: Tensor, start_offsets: Tensor | None) -> Tensor:
+    """Cumulative sum over dim 1 that restarts at every document start (static shapes, no host sync).
+
+    start_offsets (b, t): where each token's document starts (`Segments.start_offsets`); None: at 0."""
     total = step.cumsum(dim=1)
-    if doc_ids is None:
+    if start_offsets is None:
         return total
-    t = doc_ids.shape[1]
-    positions = torch.arange(t, device=doc_ids.device).expand_as(doc_ids)
-    doc_start = torch.where(doc_boundaries(doc_ids), positions, 0).cummax(dim=1).values
     before = total - step  # exclusive cumsum: what precedes each token
-    index = doc_start.view(*doc_start.shape, *([1] * (step.dim() - 2))).expand_as(step)
+    index = start_offsets.view(*start_offsets.shape, *([1] * (step.dim() - 2))).expand_as(step)
     return total - before.gather(1, index)

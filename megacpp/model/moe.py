@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from megacpp.compile.versions import supports
 from megacpp.model.hints import ParamHint
+from megacpp.model.segments import WHOLE_ROWS, Segments
 
 Routing = Literal["token_choice", "expert_choice"]
 ROUTINGS = get_args(Routing)
@@ -234,8 +235,8 @@ class MoE(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return torch.sigmoid(F.linear(x.to(acc), self.gate.weight.to(acc)))
 
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """x (b, t, d) -> (b, t, d) in x.dtype. doc_ids is unused: the FFN acts per token."""
+    def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
+        """x (b, t, d) -> (b, t, d) in x.dtype. segments is unused: the FFN acts per token."""
         scores = self.router_scores(x)
         if self.cfg.routing == "token_choice":
             y = self._token_choice(x, scores)

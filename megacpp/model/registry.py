@@ -1,9 +1,13 @@
 """The block kinds: one table read by the pattern parser, the model, the parameter table and the tests.
 
 A new kind is its mixer module plus one entry here. A mixer is built as ``cls(d_model, sub_config,
-layer_idx)`` and called as ``mixer(x, doc_ids)``; decoding uses ``init_cache`` and ``forward_step``.
+layer_idx)`` and called as ``mixer(x, segments)``: x (b, t, d), and the batch's `Segments`
+(megacpp.model.segments), the document structure the model computes once per forward (the default,
+``WHOLE_ROWS``, makes each row one document); decoding uses ``init_cache`` and ``forward_step``.
 What only some kinds need is an optional hook the code asks for by name, never an ``isinstance``:
 
+- ``attention_mask_kind(device, has_documents) -> MaskKind``: the attention mask the mixer reads from
+  its segments; the model builds it once per forward when some mixer has this hook;
 - ``inactive_parameters() -> int``: parameters a token does not touch (routed experts), for the
   active-parameter count and MFU;
 - ``param_hints`` (optimizer routing), ``reduced_buffers`` (statistics summed across ranks) and
