@@ -31,6 +31,7 @@ from megacpp.model.mamba3 import num_rope_angles
 from megacpp.model.moe import grouped_dispatch_problem
 from megacpp.model.pattern import PatternError, expand_pattern, validate_pattern
 from megacpp.ops.mamba3_fused import triton_size_reason
+from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.schedule import WarmupStableDecay
 
 # ---------------------------------------------------------------- keys, values and their sources
@@ -373,6 +374,18 @@ def _micro_batch_divides(k: _Keys) -> None:
                             "the micro-batch must divide train.batch_size (0 = the whole batch)")
 
 
+# ---------------------------------------------------------------- rules: optim
+
+
+def _lr_scales_well_formed(k: _Keys) -> None:
+    """Each entry is <kind>=<factor>: a block letter and a finite factor >= 0, each kind once. The
+    optimizer's own parser decides, so the gate and the optimizer cannot disagree."""
+    try:
+        parse_lr_scales(k.value("optim.lr_scale_by_kind"))
+    except ValueError as exc:
+        raise k.error("optim.lr_scale_by_kind", f"is not a list of <kind>=<factor> entries: {exc}") from None
+
+
 # ---------------------------------------------------------------- rules between sections
 
 
@@ -413,6 +426,16 @@ def _schedule_fits_run(k: _Keys) -> None:
         raise k.error_among(keys, f"the learning-rate schedule does not fit the run: {exc}") from None
 
 
+def _lr_scales_name_used_kinds(k: _Keys) -> None:
+    """A learning-rate factor for a block kind the pattern does not use would change nothing: an option
+    that does nothing is an error (issue 11)."""
+    absent = [kind for kind in parse_lr_scales(k.value("optim.lr_scale_by_kind")) if not k.uses(kind)]
+    if absent:
+        raise k.error_among(("optim.lr_scale_by_kind", "model.pattern"),
+                            f"block kind(s) {', '.join(absent)} do not occur in the pattern, so their learning-rate "
+                            "factors would change nothing")
+
+
 def _phase_key(k: _Keys, phase: str) -> str:
     """The key that sets a schedule phase's length: *_steps when given, else *_frac."""
     return f"optim.{phase}_steps" if k.value(f"optim.{phase}_steps") is not None else f"optim.{phase}_frac"
@@ -438,7 +461,9 @@ RULES: dict[str, tuple[Rule, ...]] = {
     ),
     "data": (_byte_limits, _extensions_dotted),
     "train": (_device_form, _micro_batch_divides),
-    "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _schedule_fits_run),
+    "optim": (_lr_scales_well_formed,),
+    "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _schedule_fits_run,
+         _lr_scales_name_used_kinds),
 }
 
 

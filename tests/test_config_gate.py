@@ -48,6 +48,14 @@ BAD_OVERRIDES = [
     ("optim.warmup_steps", "300", "schedule does not fit the run", "train.steps = 200"),
     # layer index
     ("model.engram.layers", "[3, 10]", "block indices [10] are outside [0, depth)", "model.depth = 10"),
+    # learning-rate factors per block kind: form, kind, factor, repetition; a kind the pattern lacks
+    ("optim.lr_scale_by_kind", "M", "entry 'M' is not <kind>=<factor>", None),
+    ("optim.lr_scale_by_kind", "Q=0.5", "with a kind among A, M, R, E, F", None),
+    ("optim.lr_scale_by_kind", "M=fast", "entry 'M=fast': factor 'fast' is not a number", None),
+    ("optim.lr_scale_by_kind", "M=-0.5", "entry 'M=-0.5': the factor must be a finite number >= 0", None),
+    ("optim.lr_scale_by_kind", "R=inf", "entry 'R=inf': the factor must be a finite number >= 0", None),
+    ("optim.lr_scale_by_kind", "R=nan", "entry 'R=nan': the factor must be a finite number >= 0", None),
+    ("optim.lr_scale_by_kind", "M=0.5,M=1", "entry 'M=1': kind M is given more than once", None),
 ]
 
 
@@ -140,6 +148,28 @@ def test_preset_on_command_line_and_in_file_must_agree(tmp_path):
     cfg, sources = load_config("small", path)
     assert (cfg.model.d_model, cfg.train.steps) == (768, 10)
     assert sources.source("model.d_model") == "preset 'small'"
+
+
+def test_lr_scale_by_kind_takes_both_list_spellings_and_only_kinds_the_pattern_uses(tmp_path):
+    """A list on the command line (comma-separated or TOML) and in a file; [] or "" is none. A factor for a
+    kind the pattern lacks would do nothing: an error quoting the pattern and its source."""
+    for raw in ("M=0.5,R=0.25", '["M=0.5", "R=0.25"]'):
+        cfg, _ = load_config("tiny", overrides=[("optim.lr_scale_by_kind", raw)])
+        assert cfg.optim.lr_scale_by_kind == ["M=0.5", "R=0.25"]
+    assert load_config("tiny", overrides=[("optim.lr_scale_by_kind", "")])[0].optim.lr_scale_by_kind == []
+    assert Config().optim.lr_scale_by_kind == []
+    with pytest.raises(ConfigError) as err:
+        load_config("dense", overrides=[("optim.lr_scale_by_kind", "F=0.5,R=0.5")])
+    msg = str(err.value)
+    assert msg.startswith("command line --optim.lr_scale_by_kind: optim.lr_scale_by_kind = ['F=0.5', 'R=0.5']: ")
+    assert "block kind(s) R do not occur in the pattern" in msg and "model.pattern = 'AF' (preset 'dense')" in msg
+    path = _toml(tmp_path, 'preset = "tiny"\n[optim]\nlr_scale_by_kind = ["M=0.5", "R=-1"]\n')
+    with pytest.raises(ConfigError, match=rf"^{path}:3: optim.lr_scale_by_kind = \['M=0.5', 'R=-1'\] .*'R=-1'"):
+        load_config(path=path)
+    cfg = PRESETS["tiny"]()
+    cfg.optim.lr_scale_by_kind = ["E=2", "F"]
+    with pytest.raises(ConfigError, match=r"^optim.lr_scale_by_kind = \['E=2', 'F'\] .*entry 'F'"):
+        validate_config(cfg)
 
 
 def test_checkpoint_config_is_gated_with_its_meta_json_as_source(tmp_path):

@@ -1,6 +1,7 @@
 """End-to-end trainer tests on a toy corpus: resume, checkpoints, NaN stop, CLI errors."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -50,6 +51,49 @@ def test_tier1_interrupted_then_resumed_equals_uninterrupted(tmp_path, small_cor
     ma, mb = straight.stack.moments(), resumed.stack.moments()
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     assert straight.data.loader.state_dict() == resumed.data.loader.state_dict()
+
+
+def test_tier1_resume_with_lr_factors_per_kind_is_exact_and_may_change_them(tmp_path, small_corpus, monkeypatch):
+    """With optim.lr_scale_by_kind set, kill after step 3 and resume to 6: everything equals the
+    uninterrupted run bit for bit. A resume may also change the factors: an lr is not a shape, so
+    check_resume_settings compares no optim field and the moments are keyed by parameter name, not by
+    group. The copy of the interrupted run resumed with R=0.5 instead of 0.25 runs, and its R groups
+    train at the new factor."""
+    scales = {"optim.lr_scale_by_kind": "M=0.5,R=0.25"}
+    straight = _run(tiny_train_config(tmp_path / "a", small_corpus, **scales))
+    original_step = Trainer.train_step
+
+    def crash_after_three(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return original_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_train_config(tmp_path / "b", small_corpus, **scales))
+    monkeypatch.setattr(Trainer, "train_step", original_step)
+    shutil.copytree(tmp_path / "b" / "run", tmp_path / "c" / "run")
+    resumed = _run(tiny_train_config(tmp_path / "b", small_corpus, **scales), resume=True)
+
+    assert resumed.losses == straight.losses
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ma, mb = straight.stack.moments(), resumed.stack.moments()
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+    changed = _run(tiny_train_config(tmp_path / "c", small_corpus, **{"optim.lr_scale_by_kind": "M=0.5,R=0.5"}),
+                   resume=True)
+    assert changed.step == 6
+    optim = changed.cfg.optim
+    # docs/optim.md: "original" Muon groups start from muon_lr, "match_rms_adamw" ones (muon_rms_lr None)
+    # and AdamW's "other" group from adamw_lr.
+    base = {"muon:original": optim.muon_lr, "muon:match_rms_adamw": optim.adamw_lr, "adamw:other": optim.adamw_lr}
+    r_groups = {g["name"]: g["base_lr"] for opt in changed.stack.optimizers for g in opt.param_groups
+                if "@R" in g["name"]}
+    assert {"muon:original@R", "adamw:other@R:no_decay"} <= r_groups.keys()
+    assert all(lr == base[name.split("@")[0]] / 2 for name, lr in r_groups.items()), r_groups
+    r_out = f"blocks.{changed.model.layout.index('R')}.mixer.out_proj.weight"
+    assert not torch.equal(changed.model.state_dict()[r_out], b[r_out])
 
 
 def test_run_writes_metrics_plot_sample_and_keeps_last_k(tmp_path, small_corpus):

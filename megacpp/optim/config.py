@@ -1,7 +1,7 @@
 """Optimizer configuration: every knob of the Muon + AdamW stack, its schedule and MuonClip."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from megacpp.compile.config import CompileBackend
@@ -42,6 +42,11 @@ class OptimConfig:
     adamw_beta2: float = 0.95
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.0
+
+    # Learning-rate factor per block kind, as "<kind>=<factor>" entries (megacpp.optim.kind_scales):
+    # ["M=0.5", "R=0.25"] multiplies the base lr of every parameter of the M and R blocks (mixer and
+    # norm; Engram branches are no block kind), Muon and AdamW groups alike. [] = none.
+    lr_scale_by_kind: list[str] = field(default_factory=list)
 
     # LR schedule: warmup -> stable -> decay, as a multiplier of every group's base lr.
     # *_steps, when set, override the matching *_frac (a fraction of the run's total steps).

@@ -9,6 +9,12 @@ Rules, first match wins (hints are the modules' ``param_hints``, collected by na
   5. anything else -> error naming the parameter
 Muon groups are split by lr scaling mode (hint lr_scaling, else expert_lr_scaling for stacked
 (E, A, B) weights, else muon_lr_scaling) because each mode has its own base lr.
+
+`optim.lr_scale_by_kind` (megacpp.optim.kind_scales) then marks each parameter of a named kind's
+blocks (``blocks.<i>.mixer.*`` and ``blocks.<i>.norm.*``, the block's ``kind`` attribute deciding) with
+that kind and its factor: its param group becomes ``"<group>@<kind>"``, whose base lr is the factor
+times the group's. Parameters of kinds not named, and every parameter when the setting is empty, keep
+today's groups, so the default groups, numerics and checkpoints do not change.
 """
 from __future__ import annotations
 
@@ -20,9 +26,12 @@ from torch import nn
 
 from megacpp.model.hints import ParamHint, canonical_name, collect_param_hints
 from megacpp.optim.config import LR_SCALINGS, OptimConfig
+from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.registry import OPTIMIZERS
 
 _HIDDEN = re.compile(r"blocks\.\d+\.(mixer|engram)\.")
+_BLOCK = re.compile(r"blocks\.\d+")
+_BLOCK_OWN = re.compile(r"(blocks\.\d+)\.(mixer|norm)\.")  # a block's own parameters (not its Engram branch)
 _EMBED = ("tok_embed", "ngram_embed")
 _HEAD = ("lm_head", "mtp")
 _NO_HINT = ParamHint()
@@ -35,6 +44,8 @@ class Route:
     # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other" | "<name>:hinted"
     group: str
     hint: ParamHint = _NO_HINT
+    kind: str | None = None  # the block kind whose lr factor applies; None: lr_scale_by_kind names none
+    lr_factor: float = 1.0  # multiplies the group's base lr (only where kind is set)
 
     @property
     def optimizer(self) -> str:
@@ -48,6 +59,16 @@ class Route:
     def decayed(self) -> bool:
         """Norms, biases and scalars (< 2-D) are never weight-decayed; a hint may exempt others."""
         return not (self.hint.no_decay or self.param.ndim < 2)
+
+    @property
+    def scaled_group(self) -> str:
+        """The route's group, with "@<kind>" when a kind's lr factor applies: a row of the routing table."""
+        return self.group if self.kind is None else f"{self.group}@{self.kind}"
+
+    @property
+    def param_group(self) -> str:
+        """The name of the param group the parameter joins: `scaled_group`, ":no_decay" when never decayed."""
+        return self.scaled_group if self.decayed else f"{self.scaled_group}:no_decay"
 
 
 def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = _NO_HINT) -> str:
@@ -90,19 +111,42 @@ def route_parameters(model: nn.Module, cfg: OptimConfig, hints: Mapping[str, Par
     by default they are collected from `model` now.
     """
     hints = collect_param_hints(model) if hints is None else hints
+    scales = parse_lr_scales(cfg.lr_scale_by_kind)
+    kinds = _scaled_block_kinds(model, scales)
     routes = []
     for raw_name, param in model.named_parameters():
         if param.requires_grad:
             name = canonical_name(raw_name)
             hint = hints.get(name, _NO_HINT)
-            routes.append(Route(name, param, route_parameter(name, param, cfg, hint), hint))
+            own = _BLOCK_OWN.match(name)
+            kind = kinds.get(own.group(1)) if own else None
+            routes.append(Route(name, param, route_parameter(name, param, cfg, hint), hint, kind,
+                                scales[kind] if kind is not None else 1.0))
     return routes
+
+
+def _scaled_block_kinds(model: nn.Module, scales: Mapping[str, float]) -> dict[str, str]:
+    """``{"blocks.<i>": kind}`` for the blocks whose kind has an lr factor, read from each block's ``kind``
+    attribute (module attributes survive FSDP2 and compile wrappers; the names are canonical). A factor
+    for a kind the model has no block of would change nothing: an error."""
+    if not scales:
+        return {}
+    kinds = {}
+    for raw_name, module in model.named_modules():
+        name, kind = canonical_name(raw_name), getattr(module, "kind", None)
+        if _BLOCK.fullmatch(name) and isinstance(kind, str):
+            kinds[name] = kind
+    absent = [kind for kind in scales if kind not in kinds.values()]
+    if absent:
+        raise ValueError(f"lr_scale_by_kind names block kind(s) {', '.join(absent)}, but the model's blocks are "
+                         f"{''.join(dict.fromkeys(kinds.values())) or 'none'}: a factor there would change nothing")
+    return {name: kind for name, kind in kinds.items() if kind in scales}
 
 
 def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
     rows: dict[str, list[int]] = {}
     for r in routes:
-        row = rows.setdefault(r.group, [0, 0, 0])
+        row = rows.setdefault(r.scaled_group, [0, 0, 0])
         row[0] += 1
         row[1] += r.param.numel()
         row[2] += OPTIMIZERS[r.optimizer].state_bytes(r, cfg)
@@ -112,5 +156,9 @@ def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
         count, numel, nbytes = rows[group]
         lines.append(f"{group:<24}{count:>8}{numel:>14,}{nbytes:>14,}")
     lines.append(f"{'total':<24}{total[0]:>8}{total[1]:>14,}{total[2]:>14,}")
+    factors = {r.kind: r.lr_factor for r in routes if r.kind is not None}
+    if factors:
+        shown = ", ".join(f"@{kind} x {factor:g}" for kind, factor in sorted(factors.items()))
+        lines.append(f"lr_scale_by_kind: {shown} (the base lr of each @<kind> group)")
     return "\n".join(lines)
 

@@ -21,9 +21,10 @@ class OptimizerSpec:
 
     The stack calls ``optimizer(param_groups, **settings(cfg), compile_step=..., compile_backend=...)``.
     Every parameter routed to it joins the param group of its ``group_settings(route, cfg)`` (the
-    group's lr, weight decay, ...): routes with equal settings share a group, named after the route
-    (``"<name>:<subgroup>"``, plus ``":no_decay"`` for parameters never decayed). ``state_bytes`` is the
-    optimizer state it keeps for one parameter, for the routing table.
+    group's lr, weight decay, ...; it must give ``"lr"``, which a block kind's lr factor multiplies):
+    routes with equal settings share a group, named after the route (``"<name>:<subgroup>"``, plus
+    ``"@<kind>"`` for a block kind with an lr factor and ``":no_decay"`` for parameters never decayed).
+    ``state_bytes`` is the optimizer state it keeps for one parameter, for the routing table.
     """
 
     optimizer: type[TensorHParamOptimizer]

@@ -148,11 +148,14 @@ def build_optimizers(
 
 def _param_groups(routes: list[Route], cfg: OptimConfig) -> dict[str, list[dict[str, Any]]]:
     """Param groups per optimizer, in registry order (optimizers without parameters left out). A group
-    holds the routes of one name with equal settings, in model order."""
+    holds the routes of one name with equal settings, in model order. A route of a block kind with an
+    lr factor (lr_scale_by_kind) gets its group's lr times that factor, in a group of its own."""
     by_kind: dict[str, dict[tuple[Any, ...], dict[str, Any]]] = {kind: {} for kind in OPTIMIZERS}
     for r in routes:
         settings = OPTIMIZERS[r.optimizer].group_settings(r, cfg)
-        name = r.group if r.decayed else f"{r.group}:no_decay"
+        if r.kind is not None:
+            settings["lr"] = settings["lr"] * r.lr_factor
+        name = r.param_group
         group = by_kind[r.optimizer].setdefault((name, *settings.items()),
                                                 {"params": [], **settings, "name": name})
         group["params"].append(r.param)

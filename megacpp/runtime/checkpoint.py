@@ -221,7 +221,9 @@ def check_resume_settings(meta: dict[str, Any], config: dict[str, Any], world_si
     (`meta` is its metadata, `config` this run's whole configuration as a dict), naming the setting and
     why: another model (but for its vocabulary size, which the tokenizer sets), sequence length,
     tokenizer vocabulary, global batch or loader seed. Needs no data, so it runs before the data work;
-    the tokenizer itself is compared afterwards (`check_compatible`)."""
+    the tokenizer itself is compared afterwards (`check_compatible`). Optimizer settings (learning rates,
+    optim.lr_scale_by_kind, the schedule) may change: the saved moments are keyed by parameter name, not
+    by param group, and a new lr changes no shape."""
     saved = meta.get("config", {})
     diffs = [d for d in _dict_diff(saved.get("model", {}), config["model"]) if d[0] != "vocab_size"]
     if diffs:
