@@ -28,7 +28,7 @@ _WRAPPERS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
 
 @dataclass(frozen=True)
 class ParamHint:
-    optimizer: Literal["muon", "adamw"] | None = None  # None: the routing rules decide
+    optimizer: str | None = None  # a name in megacpp.optim.registry.OPTIMIZERS; None: the routing rules decide
     lr_scaling: Literal["original", "match_rms_adamw"] | None = None  # Muon lr scaling override
     qkv_split: tuple[int, ...] | None = None  # Muon orthogonalizes each output-row slice on its own
     no_decay: bool = False  # never weight-decayed
