@@ -3,10 +3,11 @@ LR schedule, MuonClip, parameter routing, the optimizer registry. See docs/optim
 from megacpp.optim.adamw import AdamW
 from megacpp.optim.clip import MuonClip, find_attention_modules, qk_clip_scales
 from megacpp.optim.config import OptimConfig
-from megacpp.optim.groups import Route, format_routing_table, route_parameters
+from megacpp.optim.groups import format_routing_table, route_parameters
 from megacpp.optim.muon import Muon, lr_ratio, second_moment_shape, torch_muon_compatible
 from megacpp.optim.orthogonalize import POLAR_EXPRESS, QUINTIC, orthogonalize
 from megacpp.optim.registry import OPTIMIZERS
+from megacpp.optim.route import Route
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay
 from megacpp.optim.spec import OptimizerSpec
 from megacpp.optim.stack import OptimizerStack, build_optimizers

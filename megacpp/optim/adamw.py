@@ -8,7 +8,7 @@ supported); compiled steps use its foreach + capturable path, which traces into 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -17,10 +17,8 @@ from torch.optim.adam import adam
 from megacpp.optim.config import OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import local_tensor
+from megacpp.optim.route import Route
 from megacpp.optim.spec import OptimizerSpec
-
-if TYPE_CHECKING:  # groups.py reads the registry, which reads this module: typing only
-    from megacpp.optim.groups import Route
 
 
 def adamw_update(

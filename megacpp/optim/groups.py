@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from torch import nn
 
@@ -28,50 +27,16 @@ from megacpp.model.hints import ParamHint, canonical_name, collect_param_hints
 from megacpp.optim.config import LR_SCALINGS, OptimConfig
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.registry import OPTIMIZERS
+from megacpp.optim.route import NO_HINT, Route
 
 _HIDDEN = re.compile(r"blocks\.\d+\.(mixer|engram)\.")
 _BLOCK = re.compile(r"blocks\.\d+")
 _BLOCK_OWN = re.compile(r"(blocks\.\d+)\.(mixer|norm)\.")  # a block's own parameters (not its Engram branch)
 _EMBED = ("tok_embed", "ngram_embed")
 _HEAD = ("lm_head", "mtp")
-_NO_HINT = ParamHint()
 
 
-@dataclass(eq=False)
-class Route:
-    name: str  # the model's own name, wrapper components removed
-    param: nn.Parameter
-    # "muon:<lr scaling>" | "adamw:embed" | "adamw:head" | "adamw:hidden" | "adamw:other" | "<name>:hinted"
-    group: str
-    hint: ParamHint = _NO_HINT
-    kind: str | None = None  # the block kind whose lr factor applies; None: lr_scale_by_kind names none
-    lr_factor: float = 1.0  # multiplies the group's base lr (only where kind is set)
-
-    @property
-    def optimizer(self) -> str:
-        return self.group.split(":", 1)[0]
-
-    @property
-    def subgroup(self) -> str:
-        return self.group.split(":", 1)[1]
-
-    @property
-    def decayed(self) -> bool:
-        """Norms, biases and scalars (< 2-D) are never weight-decayed; a hint may exempt others."""
-        return not (self.hint.no_decay or self.param.ndim < 2)
-
-    @property
-    def scaled_group(self) -> str:
-        """The route's group, with "@<kind>" when a kind's lr factor applies: a row of the routing table."""
-        return self.group if self.kind is None else f"{self.group}@{self.kind}"
-
-    @property
-    def param_group(self) -> str:
-        """The name of the param group the parameter joins: `scaled_group`, ":no_decay" when never decayed."""
-        return self.scaled_group if self.decayed else f"{self.scaled_group}:no_decay"
-
-
-def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = _NO_HINT) -> str:
+def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = NO_HINT) -> str:
     """The group of one parameter; raises ValueError naming it when no rule fits."""
     if hint.optimizer is not None and hint.optimizer not in OPTIMIZERS:
         raise ValueError(f"parameter {name!r}: hint optimizer={hint.optimizer!r}, expected one of the registered "
@@ -117,7 +82,7 @@ def route_parameters(model: nn.Module, cfg: OptimConfig, hints: Mapping[str, Par
     for raw_name, param in model.named_parameters():
         if param.requires_grad:
             name = canonical_name(raw_name)
-            hint = hints.get(name, _NO_HINT)
+            hint = hints.get(name, NO_HINT)
             own = _BLOCK_OWN.match(name)
             kind = kinds.get(own.group(1)) if own else None
             routes.append(Route(name, param, route_parameter(name, param, cfg, hint), hint, kind,

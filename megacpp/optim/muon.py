@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,10 +35,8 @@ from megacpp.optim.orthogonalize import (
     coefficient_schedule,
     orthogonalize,
 )
+from megacpp.optim.route import Route
 from megacpp.optim.spec import OptimizerSpec
-
-if TYPE_CHECKING:  # groups.py reads the registry, which reads this module: typing only
-    from megacpp.optim.groups import Route
 
 
 def lr_ratio(shape: Sequence[int], mode: str) -> float:

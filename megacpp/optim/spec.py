@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megacpp.optim.config import OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
-
-if TYPE_CHECKING:  # groups.py reads the registry, which reads the specs: typing only
-    from megacpp.optim.groups import Route
+from megacpp.optim.route import Route
 
 
 @dataclass(frozen=True)

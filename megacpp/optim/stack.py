@@ -23,10 +23,11 @@ from torch import Tensor, nn
 from megacpp.model.hints import ParamHint
 from megacpp.optim.clip import MuonClip
 from megacpp.optim.config import OptimConfig
-from megacpp.optim.groups import Route, format_routing_table, route_parameters
+from megacpp.optim.groups import format_routing_table, route_parameters
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import full_value
 from megacpp.optim.registry import OPTIMIZERS
+from megacpp.optim.route import Route
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay
 
 
