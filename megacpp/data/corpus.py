@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megacpp.data.config import DataConfig
-from megacpp.data.system_corpus import SourceTree, system_trees
+from megacpp.data.system_corpus import SourceTree, default_corpus_root, system_trees
 from megacpp.errors import MegacppError
 
 
@@ -27,12 +27,6 @@ def content_hash(data: bytes) -> str:
 def is_val(doc_hash: str, val_fraction: float) -> bool:
     """Hash-based split: a document's side depends on its bytes only, never on file order."""
     return int(doc_hash[:16], 16) < val_fraction * 2**64
-
-
-def default_corpus_root() -> Path:
-    import torch  # imported here: discovery of user corpora does not need torch
-
-    return Path(torch.__file__).parent / "include"
 
 
 @dataclass(frozen=True)

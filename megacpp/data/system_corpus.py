@@ -26,6 +26,13 @@ COMPILERS = ("c++", "g++", "clang++")
 _SEARCH_START, _SEARCH_END = "#include <...> search starts here:", "End of search list."
 
 
+def default_corpus_root() -> Path:
+    """torch's C++ headers: the default corpus, the same on every machine with this torch."""
+    import torch  # imported here: discovery of user corpora does not need torch
+
+    return Path(torch.__file__).parent / "include"
+
+
 @dataclass(frozen=True)
 class SourceTree:
     name: str  # how summaries and document sources name it
@@ -81,8 +88,6 @@ def system_trees(
 ) -> list[SourceTree]:
     """The machine's trees in keeping order; every argument left None is looked up (tests pass fakes)."""
     if torch_include is None:
-        from megacpp.data.corpus import default_corpus_root  # corpus.py imports this module lazily too
-
         torch_include = default_corpus_root()
     if compiler_dirs is None:
         compiler_dirs = compiler_include_dirs()
