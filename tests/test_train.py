@@ -29,8 +29,16 @@ def test_tier1_interrupted_then_resumed_equals_uninterrupted(tmp_path, small_cor
     position and losses equal an uninterrupted 6-step run bit for bit. Breaks if any piece of state
     (RNG, loader, schedule, momentum, MoE bias) is not checkpointed."""
     straight = _run(tiny_train_config(tmp_path / "a", small_corpus))
+    _run_killed_after_three(tiny_train_config(tmp_path / "b", small_corpus), monkeypatch)
+    resumed = _run(tiny_train_config(tmp_path / "b", small_corpus), resume=True)
 
-    cfg = tiny_train_config(tmp_path / "b", small_corpus)
+    _assert_same_training_state(straight, resumed)
+    assert straight.stack.state_dict() == resumed.stack.state_dict()
+    assert straight.data.loader.state_dict() == resumed.data.loader.state_dict()
+
+
+def _run_killed_after_three(cfg, monkeypatch) -> None:
+    """Run `cfg` and kill it after step 3 (as a KeyboardInterrupt there would)."""
     original_step = Trainer.train_step
 
     def crash_after_three(self):
@@ -42,15 +50,15 @@ def test_tier1_interrupted_then_resumed_equals_uninterrupted(tmp_path, small_cor
     with pytest.raises(KeyboardInterrupt):
         _run(cfg)
     monkeypatch.setattr(Trainer, "train_step", original_step)
-    resumed = _run(tiny_train_config(tmp_path / "b", small_corpus), resume=True)
 
-    assert resumed.losses == straight.losses
-    a, b = straight.model.state_dict(), resumed.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert straight.stack.state_dict() == resumed.stack.state_dict()
-    ma, mb = straight.stack.moments(), resumed.stack.moments()
+
+def _assert_same_training_state(a: Trainer, b: Trainer) -> None:
+    """Losses, weights and optimizer moments equal bit for bit."""
+    assert a.losses == b.losses
+    wa, wb = a.model.state_dict(), b.model.state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ma, mb = a.stack.moments(), b.stack.moments()
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
-    assert straight.data.loader.state_dict() == resumed.data.loader.state_dict()
 
 
 def test_tier1_resume_with_lr_factors_per_kind_is_exact_and_may_change_them(tmp_path, small_corpus, monkeypatch):
@@ -61,25 +69,10 @@ def test_tier1_resume_with_lr_factors_per_kind_is_exact_and_may_change_them(tmp_
     train at the new factor."""
     scales = {"optim.lr_scale_by_kind": "M=0.5,R=0.25"}
     straight = _run(tiny_train_config(tmp_path / "a", small_corpus, **scales))
-    original_step = Trainer.train_step
-
-    def crash_after_three(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original_step(self)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        _run(tiny_train_config(tmp_path / "b", small_corpus, **scales))
-    monkeypatch.setattr(Trainer, "train_step", original_step)
+    _run_killed_after_three(tiny_train_config(tmp_path / "b", small_corpus, **scales), monkeypatch)
     shutil.copytree(tmp_path / "b" / "run", tmp_path / "c" / "run")
     resumed = _run(tiny_train_config(tmp_path / "b", small_corpus, **scales), resume=True)
-
-    assert resumed.losses == straight.losses
-    a, b = straight.model.state_dict(), resumed.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ma, mb = straight.stack.moments(), resumed.stack.moments()
-    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    _assert_same_training_state(straight, resumed)
 
     changed = _run(tiny_train_config(tmp_path / "c", small_corpus, **{"optim.lr_scale_by_kind": "M=0.5,R=0.5"}),
                    resume=True)
@@ -93,7 +86,7 @@ def test_tier1_resume_with_lr_factors_per_kind_is_exact_and_may_change_them(tmp_
     assert {"muon:original@R", "adamw:other@R:no_decay"} <= r_groups.keys()
     assert all(lr == base[name.split("@")[0]] / 2 for name, lr in r_groups.items()), r_groups
     r_out = f"blocks.{changed.model.layout.index('R')}.mixer.out_proj.weight"
-    assert not torch.equal(changed.model.state_dict()[r_out], b[r_out])
+    assert not torch.equal(changed.model.state_dict()[r_out], resumed.model.state_dict()[r_out])
 
 
 def test_run_writes_metrics_plot_sample_and_keeps_last_k(tmp_path, small_corpus):
