@@ -7,7 +7,9 @@ Over the steps in the window, from each run's metrics.jsonl:
 - detrended std: standard deviation of the loss minus its least-squares line over the window;
 - diff std and diff range: standard deviation, and max - min, of loss[s] - loss[s-1];
 - grad norm: median and maximum, and spikes = steps whose norm exceeds 3x the window's median;
-  for runs that log per-part norms, which part (block kind, embedding, head, ...) was largest at them.
+  for runs that log per-part norms, which part (block kind, embedding, head, ...) was largest at them,
+  and for runs that log per-block norms, where each spike starts: the topmost block whose norm exceeds
+  10x its median over the window (a backward that blows up at one block inflates every block below it).
 The loss at a step is one batch's loss, so these measure how much batches differ from each other.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megacpp.train.grad_norms import topmost_inflated_block
 from megacpp.train.metrics import read_metrics
 
 PART_PREFIX = "grad_norm_"  # the per-part norms of megacpp.train.grad_norms
@@ -42,7 +45,17 @@ def spread(path: Path, first: int, last: int) -> dict[str, float]:
         out.update({"grad norm median": median, "grad norm max": norms.max(), "spikes > 3x median": len(spikes)})
         if any(PART_PREFIX in key for key in with_norm[0]):
             out["largest part at spikes"] = largest_parts(spikes)
+        if "block_grad_norms" in with_norm[0]:
+            out["spikes start at"] = spike_origins(with_norm, spikes)
     return out
+
+
+def spike_origins(records: list[dict], spikes: list[dict]) -> str:
+    """How often each block was the topmost inflated one at a spike, e.g. "11R 3, 7M 1"."""
+    labels = records[0]["block_grad_norms"]
+    typical = {label: float(np.median([r["block_grad_norms"][label] for r in records])) for label in labels}
+    counts = Counter(topmost_inflated_block(r["block_grad_norms"], typical) or "none" for r in spikes)
+    return ", ".join(f"{label} {n}" for label, n in counts.most_common()) or "-"
 
 
 def largest_parts(records: list[dict]) -> str:

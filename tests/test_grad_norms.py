@@ -1,5 +1,5 @@
-"""Per-part gradient norms (megacpp.train.grad_norms): they partition the global norm, name the part a
-planted spike comes from, change nothing, and land in every training record."""
+"""Per-part and per-block gradient norms (megacpp.train.grad_norms): they partition the global norm, name
+the part and the block a planted spike comes from, change nothing, and land in every training record."""
 import math
 
 import torch
@@ -8,7 +8,7 @@ from megacpp.distributed.context import DistContext
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import parameter_parts
 from megacpp.presets import tiny
-from megacpp.train.grad_norms import PartGradNorms
+from megacpp.train.grad_norms import PartGradNorms, topmost_inflated_block
 from megacpp.train.loop import Trainer
 from megacpp.train.metrics import read_metrics
 from tests.helpers import tiny_train_config
@@ -39,22 +39,50 @@ def test_tier3_parts_compose_the_global_norm():
     rtol 1e-5 leaves room and still fails on any missing or doubled part (the smallest part, the head
     norm, is > 1e-3 of the total here)."""
     model = _model_with_grads()
-    norms = PartGradNorms(model, DistContext()).measure()
+    norms, _ = PartGradNorms(model, DistContext()).measure()
     total = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9)
     composed = math.sqrt(sum(float(v) ** 2 for v in norms.values()))
     assert math.isclose(composed, float(total), rel_tol=1e-5, abs_tol=0.0)
     assert min(float(v) for v in norms.values()) > 1e-3 * float(total)
 
 
+def test_tier3_blocks_compose_their_parameters_norm():
+    """Each block's norm against clip_grad_norm_ over that block's parameters alone (same fp32 bound as
+    above); the labels follow the pattern."""
+    model = _model_with_grads()
+    measure = PartGradNorms(model, DistContext())
+    _, blocks = measure.measure()
+    assert measure.block_labels == [f"{i}{kind}" for i, kind in enumerate("AEMFRAEMFR")]
+    for block, norm in zip(model.blocks, blocks.tolist(), strict=True):
+        expected = torch.nn.utils.clip_grad_norm_([p for p in block.parameters() if p.grad is not None], 1e9)
+        assert math.isclose(norm, float(expected), rel_tol=1e-5, abs_tol=0.0)
+
+
 def test_tier1_a_planted_spike_is_named_and_the_other_parts_do_not_move():
     model = _model_with_grads()
-    before = PartGradNorms(model, DistContext()).measure()
-    mamba = [p for b in model.blocks if b.kind == "M" for p in b.mixer.parameters() if p.grad is not None]
+    before, blocks_before = PartGradNorms(model, DistContext()).measure()
+    mamba = [p for p in model.blocks[7].mixer.parameters() if p.grad is not None]
     max(mamba, key=lambda p: float(p.grad.norm())).grad.mul_(1e4)
-    after = PartGradNorms(model, DistContext()).measure()
+    measure = PartGradNorms(model, DistContext())
+    after, blocks_after = measure.measure()
     assert float(after["grad_norm_M"]) > 100 * float(before["grad_norm_M"])
     assert max(after, key=lambda k: float(after[k])) == "grad_norm_M"
     assert all(torch.equal(after[k], before[k]) for k in before if k != "grad_norm_M")
+    assert float(blocks_after[7]) > 100 * float(blocks_before[7])
+    assert all(torch.equal(blocks_after[i], blocks_before[i]) for i in range(len(model.blocks)) if i != 7)
+    typical = measure.block_record(blocks_before)
+    assert topmost_inflated_block(measure.block_record(blocks_after), typical) == "7M"
+
+
+def test_tier1_the_topmost_inflated_block_is_the_deepest_over_the_factor():
+    """A blow-up in the backward at depth k inflates k and everything below it: the answer is the
+    deepest block over factor x typical, not the largest one, and None when nothing is inflated."""
+    typical = {"0A": 1.0, "1M": 1.0, "2R": 1.0, "10E": 1.0, "11M": 1.0}
+    spike = {"0A": 500.0, "1M": 900.0, "2R": 20.0, "10E": 9.0, "11M": 0.5}
+    assert topmost_inflated_block(spike, typical) == "2R"
+    assert topmost_inflated_block(spike, typical, factor=50.0) == "1M"
+    assert topmost_inflated_block({**spike, "10E": 11.0}, typical) == "10E"  # depth 10 above depth 2
+    assert topmost_inflated_block(typical, typical) is None
 
 
 def test_tier1_training_logs_every_part_and_its_losses_do_not_depend_on_it(tmp_path, small_corpus, monkeypatch):
@@ -62,10 +90,12 @@ def test_tier1_training_logs_every_part_and_its_losses_do_not_depend_on_it(tmp_p
     losses bit for bit; every training record has one norm per part."""
     measured = Trainer(tiny_train_config(tmp_path / "a", small_corpus), log=lambda _m: None, progress=False)
     measured.run()
-    monkeypatch.setattr(PartGradNorms, "measure", lambda self: {})
+    monkeypatch.setattr(PartGradNorms, "measure", lambda self: ({}, torch.zeros(len(self.block_labels))))
     unmeasured = Trainer(tiny_train_config(tmp_path / "b", small_corpus), log=lambda _m: None, progress=False)
     unmeasured.run()
     assert measured.losses == unmeasured.losses
     parts = {f"grad_norm_{name}" for name, _ in parameter_parts(measured.model)}
     records = [r for r in read_metrics(tmp_path / "a" / "run" / "metrics.jsonl") if r["kind"] == "train"]
     assert records and all(parts <= r.keys() and all(r[k] > 0 for k in parts) for r in records)
+    labels = [f"{i}{block.kind}" for i, block in enumerate(measured.model.blocks)]
+    assert all(list(r["block_grad_norms"]) == labels and min(r["block_grad_norms"].values()) > 0 for r in records)

@@ -1,11 +1,15 @@
-"""Gradient norm of each part of the model, logged beside the global one.
+"""Gradient norm of each part and of each block of the model, logged beside the global one.
 
 A spike of the global gradient norm says that something exploded, not what: on one H200 `small`'s norm
 reached 1.8e7 at 8192 tokens while the dense model's stayed under 4 (BENCHMARKS.md, issue 13). The
 parts are megacpp.model.params.parameter_parts (each block kind, Engram, embedding, head, MTP), so a
-spike names its block kind. The cost is one more read of the gradients per step, not measured yet;
-by bandwidth, `small`'s 1.4 GB of fp32 gradients at ~3 TB/s is ~0.5 ms of its 187 ms step. Nothing
-is written: the losses are bitwise those of a run without it (tested).
+spike names its block kind. The per-block norms place it in depth: a backward that blows up at block k
+inflates the gradients of k and of every block below it, so the topmost inflated block is where it
+starts (in `small`'s spikes at 8192 tokens every block kind rose together while the head's norm stayed
+under 1.5, which a per-kind split cannot place). One fused norm per gradient tensor serves both; the
+cost is one more read of the gradients per step, by bandwidth ~0.5 ms of `small`'s 187 ms (`small`'s
+1.4 GB of fp32 gradients at ~3 TB/s). Nothing is written: the losses are bitwise those of a run
+without it (tested).
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from megacpp.optim.local import is_sharded, local_tensor
 
 
 class PartGradNorms:
-    """Measures, after backward and before the optimizer clips anything, each part's gradient norm.
+    """Measures, after backward and before the optimizer clips anything, each part's and each block's
+    gradient norm.
 
     Built after parallelisation (FSDP2 replaces the parameters): sharded gradients contribute their
     rows' squared norms, summed over ranks, so every rank logs the global figure."""
@@ -26,21 +31,40 @@ class PartGradNorms:
     def __init__(self, model: nn.Module, ctx: DistContext) -> None:
         parts = parameter_parts(model)
         self.names = [name for name, _ in parts]
-        self.groups = [params for _, params in parts]
+        self.params = [p for _, params in parts for p in params]  # every parameter exactly once
+        position = {id(p): i for i, p in enumerate(self.params)}
+        device = local_tensor(self.params[0]).device
+        self.part_index = [torch.tensor([position[id(p)] for p in params], device=device) for _, params in parts]
+        # Labelled "<depth><kind>" (e.g. "11R"), so a record is read without the run's config.
+        self.block_labels = [f"{depth}{block.kind}" for depth, block in enumerate(model.blocks)]
+        self.block_index = [torch.tensor([position[id(p)] for p in block.parameters()], device=device)
+                            for block in model.blocks]
+        self.zero = torch.zeros((), device=device)
         self.ctx = ctx
-        self.sharded = any(is_sharded(p) for params in self.groups for p in params)
+        self.sharded = any(is_sharded(p) for p in self.params)
 
-    def measure(self) -> dict[str, Tensor]:
-        """``{"grad_norm_<part>": 0-d tensor}`` for every part; a part without gradients reads 0."""
-        squares = []
-        for params in self.groups:
-            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-            if grads:
-                norms = torch._foreach_norm(grads)
-                squares.append(torch.stack([n.float() for n in norms]).square().sum())
-            else:
-                squares.append(torch.zeros((), device=local_tensor(params[0]).device))
-        total = torch.stack(squares)
+    def measure(self) -> tuple[dict[str, Tensor], Tensor]:
+        """``({"grad_norm_<part>": 0-d tensor}, per-block norms as a 1-d tensor)``; a part or a block
+        without gradients reads 0."""
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        norms = iter(torch._foreach_norm(grads)) if grads else iter(())
+        squares = torch.stack([next(norms).float() if p.grad is not None else self.zero
+                               for p in self.params]).square()
+        totals = torch.stack([squares.index_select(0, index).sum() for index in self.part_index + self.block_index])
         if self.sharded:
-            self.ctx.all_reduce_(total, "sum")
-        return dict(zip((f"grad_norm_{name}" for name in self.names), total.sqrt().unbind(0), strict=True))
+            self.ctx.all_reduce_(totals, "sum")
+        norms_out = totals.sqrt()
+        parts, blocks = norms_out[:len(self.names)], norms_out[len(self.names):]
+        return dict(zip((f"grad_norm_{name}" for name in self.names), parts.unbind(0), strict=True)), blocks
+
+    def block_record(self, blocks: Tensor) -> dict[str, float]:
+        """Per-block norms as a metrics field: ``{"0A": ..., "1E": ..., ...}`` (one host read)."""
+        return dict(zip(self.block_labels, blocks.tolist(), strict=True))
+
+
+def topmost_inflated_block(blocks: dict[str, float], typical: dict[str, float], factor: float = 10.0) -> str | None:
+    """The deepest block (largest depth: nearest the head, where the backward starts) whose gradient
+    norm exceeds ``factor`` times its typical value, e.g. the median over a window of steps; None when
+    no block does. Labels are ``block_record``'s "<depth><kind>"."""
+    inflated = [label for label, norm in blocks.items() if norm > factor * typical[label]]
+    return max(inflated, key=lambda label: int(label[:-1]), default=None)

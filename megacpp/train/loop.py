@@ -219,6 +219,7 @@ class Trainer:
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
+        self.block_grad_norms: Tensor | None = None  # the last step's, per block
         self.step = 0
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
         self.steps_started = 0  # by this process: the auto-fit warmup window counts them
@@ -380,7 +381,7 @@ class Trainer:
         value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
         if not math.isfinite(value):
             self._stop_nonfinite(value, float(total.item()), last_batch)
-        self.grad_norms = self.part_grad_norms.measure()  # before the optimizer clips them
+        self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         self.stack.step()
         run_after_optimizer_step(self.model)
         self.stack.zero_grad()
@@ -517,6 +518,8 @@ class Trainer:
                 t_last = now
                 record = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / ctx.world_size,
                           "elapsed_s": self.elapsed(), **_floats(self.stack.metrics), **_floats(self.grad_norms)}
+                if self.block_grad_norms is not None:
+                    record["block_grad_norms"] = self.part_grad_norms.block_record(self.block_grad_norms)
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak

@@ -32,8 +32,9 @@ class MetricsLogger:
         self._file.flush()
         if self._writer is not None:
             for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(f"{kind}/{key}", value, step)
+                for name, scalar in (value.items() if isinstance(value, dict) else [(None, value)]):
+                    if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):
+                        self._writer.add_scalar(f"{kind}/{key}" + (f"/{name}" if name else ""), scalar, step)
 
     def close(self) -> None:
         self._file.close()
