@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megacpp.compile.config import BACKENDS, MODES
-from megacpp.config import Config, ConfigError, dump_toml, load_config
+from megacpp.config import Config, ConfigError, dump_toml
 from megacpp.errors import Interrupted, MegacppError, UsageError
 from megacpp.presets import PRESETS
+from megacpp.run_config import load_config
 
 EPILOG_CONFIG = """\
 configuration:

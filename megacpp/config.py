@@ -1,8 +1,8 @@
-"""Run configuration: nested dataclasses, TOML files, ``--section.key value`` overrides, presets.
+"""Run configuration: nested dataclasses, TOML files, ``--section.key value`` overrides, provenance.
 
-`load_config` merges the three layers (preset < TOML file < command line), records where each value
-came from (`Provenance`) and runs the gate (`megacpp.validate`). Every error names the offending key
-and where it came from (file and line, the command line, the preset or a checkpoint's meta.json).
+The layers are merged and checked by `megacpp.run_config` (preset < TOML file < command line, then the
+gate); this module holds what both the presets and the gate build on. Every error names the offending
+key and where it came from (file and line, the command line, the preset or a checkpoint's meta.json).
 """
 from __future__ import annotations
 
@@ -204,77 +204,8 @@ def read_toml(path: str | Path) -> TomlFile:
     return TomlFile(data, preset_name, where)
 
 
-# ---------------------------------------------------------------- the one way to build a run's config
-
-DEFAULT_PRESET = "tiny"
-
-
-def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
-    """The preset a run starts from; None means the built-in defaults.
-
-    --preset and the file's `preset = ...` must agree when both are given: silently preferring one
-    would train a model the user did not ask for. With neither, a file starts from the built-in
-    defaults (it is a whole configuration of its own) and no file means DEFAULT_PRESET.
-    """
-    file_preset = file.preset if file is not None else None
-    if cli_preset and file_preset and cli_preset != file_preset:
-        raise ConfigError(
-            f"command line --preset {cli_preset} conflicts with preset = {file_preset!r} at "
-            f"{file.where('preset')}: drop one, or name the same preset in both"
-        )
-    if cli_preset or file_preset:
-        return cli_preset or file_preset
-    return None if file is not None else DEFAULT_PRESET
-
-
-def _validate(cfg: Config, sources: Provenance) -> None:
-    from megacpp.validate import validate_config  # the gate imports this module: import late
-
-    validate_config(cfg, sources)
-
-
-def _starting_point(preset_name: str | None) -> tuple[Config, Provenance]:
-    if preset_name is None:
-        return Config(), Provenance("built-in default")
-    from megacpp.presets import preset  # presets are built from Config: import late
-
-    return preset(preset_name), Provenance(f"preset {preset_name!r}")
-
-
-def load_config(
-    preset_name: str | None = None,
-    path: str | Path | None = None,
-    overrides: Sequence[tuple[str, str]] = (),
-) -> tuple[Config, Provenance]:
-    """Merge preset < TOML file < command-line overrides, later layers winning, and record where each
-    value came from; then the gate (`megacpp.validate`) checks the result, before any data work."""
-    file = read_toml(path) if path is not None else None
-    cfg, sources = _starting_point(resolve_preset(preset_name, file))
-    if file is not None:
-        merge_dict(cfg, file.data, file.where, sources)
-    cfg = apply_overrides(cfg, overrides)
-    for dotted, _ in overrides:
-        sources.record(dotted, _cli_where(dotted))
-    _validate(cfg, sources)
-    return cfg, sources
-
-
-def load_toml(path: str | Path) -> Config:
-    """A TOML config file merged onto its preset (or the built-in defaults)."""
-    return load_config(path=path)[0]
-
-
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-
-def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
-    """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
-    cfg = Config()
-    sources = Provenance(source)
-    merge_dict(cfg, data, lambda _key: source, sources)
-    _validate(cfg, sources)
-    return cfg
 
 
 def dump_toml(cfg: Any) -> str:
@@ -336,7 +267,7 @@ def _parse_cli_value(raw: str, tp: Any, where: str) -> Any:
     return _coerce(value, tp, where)
 
 
-def _cli_where(dotted: str) -> str:
+def cli_where(dotted: str) -> str:
     return f"command line --{dotted}"
 
 
@@ -345,7 +276,7 @@ def apply_overrides(cfg: Config, overrides: Sequence[tuple[str, str]]) -> Config
     raise ConfigError. One merge step only: `load_config` runs the gate on the finished result."""
     cfg = copy.deepcopy(cfg)
     for dotted, raw in overrides:
-        where = _cli_where(dotted)
+        where = cli_where(dotted)
         *path, key = dotted.split(".")
         obj: Any = cfg
         for i, part in enumerate(path):

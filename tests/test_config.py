@@ -1,7 +1,8 @@
 import pytest
 
-from megacpp.config import Config, ConfigError, apply_overrides, dump_toml, load_toml
+from megacpp.config import Config, ConfigError, apply_overrides, dump_toml
 from megacpp.presets import PRESETS, preset
+from megacpp.run_config import load_toml
 
 
 def test_cli_override_nested_and_types():

@@ -2,9 +2,10 @@
 import pytest
 
 from megacpp import cli
-from megacpp.config import Config, ConfigError, from_dict, load_config, to_dict
+from megacpp.config import Config, ConfigError, to_dict
 from megacpp.model.pattern import PatternError
 from megacpp.presets import PRESETS
+from megacpp.run_config import from_dict, load_config
 from megacpp.validate import validate_config
 
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from megacpp.config import ConfigError, load_config
+from megacpp.config import ConfigError
 from megacpp.data import DataConfig, discover_corpus
 from megacpp.data.system_corpus import SourceTree, compiler_include_dirs, system_trees
+from megacpp.run_config import load_config
 
 
 def write(path: Path, text: str) -> Path:

@@ -25,10 +25,11 @@ import torch.distributed
 from safetensors.torch import load_file
 
 from megacpp.cli import main
-from megacpp.config import ConfigError, load_config
+from megacpp.config import ConfigError
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.parity import relevant_env
+from megacpp.run_config import load_config
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.autofit import MICRO_BATCH_ENV, REPORT_ENV, next_micro_batch
 from megacpp.train.child_output import ChildOutput

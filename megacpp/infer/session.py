@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from megacpp.config import Config, from_dict
+from megacpp.config import Config
 from megacpp.data import Baselines, CodeTokenizer
 from megacpp.errors import UsageError
 from megacpp.model.hybrid import HybridLM
+from megacpp.run_config import from_dict
 from megacpp.runtime.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import resolve_device

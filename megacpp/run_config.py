@@ -1,0 +1,83 @@
+"""The one way to build a run's config: preset < TOML file < command-line overrides, later layers
+winning, each value's origin recorded (`Provenance`), then the gate (`megacpp.validate`) before any
+data work; and a saved config (a checkpoint's meta.json) read back through the same gate.
+
+It sits above `megacpp.config` (the dataclasses and parsing), `megacpp.presets` and `megacpp.validate`,
+which all build on `megacpp.config`, so none of them imports another late.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megacpp.config import (
+    Config,
+    ConfigError,
+    Provenance,
+    TomlFile,
+    apply_overrides,
+    cli_where,
+    merge_dict,
+    read_toml,
+)
+from megacpp.presets import preset
+from megacpp.validate import validate_config
+
+DEFAULT_PRESET = "tiny"
+
+
+def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
+    """The preset a run starts from; None means the built-in defaults.
+
+    --preset and the file's `preset = ...` must agree when both are given: silently preferring one
+    would train a model the user did not ask for. With neither, a file starts from the built-in
+    defaults (it is a whole configuration of its own) and no file means DEFAULT_PRESET.
+    """
+    file_preset = file.preset if file is not None else None
+    if cli_preset and file_preset and cli_preset != file_preset:
+        raise ConfigError(
+            f"command line --preset {cli_preset} conflicts with preset = {file_preset!r} at "
+            f"{file.where('preset')}: drop one, or name the same preset in both"
+        )
+    if cli_preset or file_preset:
+        return cli_preset or file_preset
+    return None if file is not None else DEFAULT_PRESET
+
+
+def _starting_point(preset_name: str | None) -> tuple[Config, Provenance]:
+    if preset_name is None:
+        return Config(), Provenance("built-in default")
+    return preset(preset_name), Provenance(f"preset {preset_name!r}")
+
+
+def load_config(
+    preset_name: str | None = None,
+    path: str | Path | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+) -> tuple[Config, Provenance]:
+    """Merge preset < TOML file < command-line overrides, later layers winning, and record where each
+    value came from; then the gate (`megacpp.validate`) checks the result, before any data work."""
+    file = read_toml(path) if path is not None else None
+    cfg, sources = _starting_point(resolve_preset(preset_name, file))
+    if file is not None:
+        merge_dict(cfg, file.data, file.where, sources)
+    cfg = apply_overrides(cfg, overrides)
+    for dotted, _ in overrides:
+        sources.record(dotted, cli_where(dotted))
+    validate_config(cfg, sources)
+    return cfg, sources
+
+
+def load_toml(path: str | Path) -> Config:
+    """A TOML config file merged onto its preset (or the built-in defaults)."""
+    return load_config(path=path)[0]
+
+
+def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
+    cfg = Config()
+    sources = Provenance(source)
+    merge_dict(cfg, data, lambda _key: source, sources)
+    validate_config(cfg, sources)
+    return cfg
