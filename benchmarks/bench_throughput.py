@@ -10,7 +10,8 @@ same run:
 - the loss head (final norm, LM head, soft-cap, cross-entropy; `HybridLM.loss`), eager against its
   compiled `blocks`-mode region, with the peak memory each adds;
 - the optimizer step (grad clip, Muon, AdamW, schedule) on `small`'s parameter set, eager against
-  compiled (the default on CUDA);
+  compiled (the default on CUDA), with its device time split into matmul kernels and the rest
+  (torch.profiler, `timing.matmul_split`);
 - whole `small` steps and the dense stand-in (`model.pattern=AF` on `small`): compiled blocks, random
   tokens in 512-token documents, forward + backward + optimizer, tokens/s and MFU (megacpp's FLOP
   convention, `megacpp.model.params.flops_per_token`, for both).
@@ -30,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo
-from timing import fwd_bwd_ms, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, matmul_split, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
@@ -150,7 +151,9 @@ def bench_optimizer(model: HybridLM, cfg, iters: int, dev: torch.device) -> list
         parts = {kind: median_ms(opt.step, dev, warmup=1, iters=iters) for kind, opt in stack.by_name.items()}
         compiled = all(opt.compile_step for opt in stack.optimizers)
         alone = ", ".join(f"{kind} {part_ms:.2f} ms" for kind, part_ms in parts.items())
-        note = f"first step {first:.1f} s; {alone} alone; compiled={compiled}"
+        device_ms, matmul_ms, kernels = matmul_split(stack.step, dev)
+        split = f"profiled: {matmul_ms:.2f} of {device_ms:.2f} ms in matmul kernels, {kernels} kernels"
+        note = f"first step {first:.1f} s; {alone} alone; {split}; compiled={compiled}"
         rows.append((f"optimizer step, {name}", ms, None, note))
         print(f"{rows[-1][0]}: {ms:.2f} ms ({note})", flush=True)
     return rows

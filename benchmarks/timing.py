@@ -47,3 +47,31 @@ def graph_breaks() -> int:
     import torch._dynamo
 
     return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+# Kernel (CUDA) or operator (CPU) names that are matrix products: cuBLAS/cuBLASLt (gemm, xmma, nvjet),
+# CUTLASS, and the aten products on a CPU profile.
+MATMUL_WORDS = ("gemm", "xmma", "nvjet", "cutlass", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def matmul_split(step: Callable[[], None], device: torch.device, calls: int = 3) -> tuple[float, float, int]:
+    """(device ms per call, of which in matrix-product kernels, kernels per call) from torch.profiler,
+    after one warmup call: what a step spends in its products against everything else (elementwise
+    passes, copies, reductions). On a CPU the operators' own time stands in for kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind and (cuda or e.name.startswith("aten::"))]
+    times = [(e.name.lower(), (e.device_time if cuda else e.self_cpu_time_total) / 1e3) for e in events]
+    total = sum(t for _, t in times)
+    matmul = sum(t for name, t in times if any(word in name for word in MATMUL_WORDS))
+    return total / calls, matmul / calls, len(events) // calls
