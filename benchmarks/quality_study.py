@@ -9,7 +9,13 @@ Each variant is `label=arguments of megacpp train`; every run also gets the stud
 checkpoints and its own `--train.out_dir` under --out. Runs are sequential on the same device, each a
 fresh process under a timeout (a hang or a crash is reported and the study goes on). At the end:
 `compare_quality.py`'s tables and plot (--out/quality.png) and `loss_spread.py`'s table, whose last
-column names the block kind with the largest gradient norm at each spike.
+columns name the block kind with the largest gradient norm at each spike and the block where it starts.
+
+A budget includes compilation, so variants compiled from caches of different warmth are not compared
+fairly: on an H200, `small` with `--optim.lr_scale_by_kind M=0.5,R=0.5,E=0.5` took 108 s to its first
+step against 32 s without (its per-kind optimizer groups are a graph the cache did not hold) and
+trained 149 steps in 125 s against 442. `--prewarm` first runs each variant for 2 steps (its own
+directory, not compared), so every budget is spent training.
 """
 from __future__ import annotations
 
@@ -27,13 +33,30 @@ from loss_spread import spread, spread_table
 SLACK_S = 300
 
 
-def run_variant(label: str, args: list[str], out: Path, budget: list[str], eval_every: int, timeout_s: float
+# A prewarm run: two steps, one evaluation batch, a four-token sample; only its compilation matters.
+PREWARM = ["--train.steps", "2", "--train.eval_every", "2", "--train.eval_batches", "1", "--train.sample_tokens", "4"]
+PREWARM_TIMEOUT_S = 900  # a cold compile of `small` at 8192 tokens alone took over 200 s on an H200
+
+
+def run_variant(label: str, args: list[str], out: Path, budget: list[str], eval_every: int, timeout_s: float | None
                 ) -> bool:
     run_dir = out / label.replace(" ", "_")
     cmd = [sys.executable, "-m", "megacpp.cli", "train", *args, *budget, "--train.eval_every", str(eval_every),
            "--train.ckpt_every", "1000000", "--train.out_dir", str(run_dir), "--train.overwrite", "true",
            "--no-progress"]
-    log = out / f"{run_dir.name}.log"
+    return run_logged(label, cmd, out / f"{run_dir.name}.log", timeout_s)
+
+
+def prewarm_variant(label: str, args: list[str], out: Path) -> bool:
+    run_dir = out / "prewarm" / label.replace(" ", "_")
+    cmd = [sys.executable, "-m", "megacpp.cli", "train", *args, *PREWARM, "--train.ckpt_every", "1000000",
+           "--train.out_dir", str(run_dir), "--train.overwrite", "true", "--no-progress"]
+    return run_logged(f"{label} (prewarm)", cmd, out / "prewarm" / f"{run_dir.name}.log", PREWARM_TIMEOUT_S)
+
+
+def run_logged(label: str, cmd: list[str], log: Path, timeout_s: float | None) -> bool:
+    """Run one training command with its output in ``log``; print its exit and last line."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with log.open("w") as f:
         try:
@@ -53,6 +76,8 @@ def main() -> None:
     budget.add_argument("--budget-s", type=float, help="wall-clock budget of each run (equal time)")
     budget.add_argument("--steps", type=int, help="steps of each run (equal tokens at equal batch)")
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--prewarm", action="store_true",
+                        help="run each variant for 2 steps first, so no budget is spent compiling")
     parser.add_argument("--spread-steps", default="20:100000", help="first:last step of loss_spread's window")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +90,8 @@ def main() -> None:
         label, sep, rest = variant.partition("=")
         if not sep:
             parser.error(f"variant {variant!r}: expected label=arguments")
+        if args.prewarm:
+            prewarm_variant(label, shlex.split(rest), args.out)
         if run_variant(label, shlex.split(rest), args.out, limit, args.eval_every, timeout_s):
             finished.append((label, args.out / label.replace(" ", "_")))
     if not finished:
