@@ -13,9 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from megacpp.data import DataConfig, PackedLoader, ValLoader, build_shards, discover_corpus, train_tokenizer
-from megacpp.data.corpus import Corpus
-from megacpp.data.tokenizer import sample_documents
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import Corpus, discover_corpus
+from megacpp.data.loader import PackedLoader, ValLoader
+from megacpp.data.shards import build_shards
+from megacpp.data.tokenizer import sample_documents, train_tokenizer
 
 
 def timed(fn):

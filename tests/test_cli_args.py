@@ -12,7 +12,9 @@ import torch
 
 from megacpp.cli import main
 from megacpp.config import Config
-from megacpp.data import DataConfig, discover_corpus, train_tokenizer
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import discover_corpus
+from megacpp.data.tokenizer import train_tokenizer
 from megacpp.infer.session import Session
 from megacpp.train.loop import Trainer
 from tests.helpers import tiny_train_config, write_corpus

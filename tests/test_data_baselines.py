@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 
 import megacpp.data.baselines as baselines_module
-from megacpp.data import DataConfig, prepare_data
 from megacpp.data.baselines import BASELINES_FILE
+from megacpp.data.config import DataConfig
+from megacpp.data.prepare import prepare_data
 from tests.helpers import write_corpus
 
 

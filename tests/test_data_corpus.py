@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megacpp.data import CorpusError, DataConfig, discover_corpus
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import CorpusError, discover_corpus
 
 
 def write(path: Path, data: str | bytes) -> Path:

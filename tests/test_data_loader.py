@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from megacpp.data import DataConfig, LoaderStateError, PackedLoader, ValLoader, bits_per_byte, prepare_data
+from megacpp.data.config import DataConfig
+from megacpp.data.loader import LoaderStateError, PackedLoader, ValLoader, bits_per_byte
+from megacpp.data.prepare import prepare_data
 from megacpp.data.shards import ShardSet, ShardSplit
 
 B, T = 4, 32

@@ -13,7 +13,10 @@ import pytest
 
 from megacpp.cli import main
 from megacpp.compile.cache import CacheError, export_cache, import_cache
-from megacpp.data import CorpusError, DataConfig, ShardError, discover_corpus, load_shards, prepare_data
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import CorpusError, discover_corpus
+from megacpp.data.prepare import prepare_data
+from megacpp.data.shards import ShardError, load_shards
 from tests.helpers import tiny_train_args
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megacpp.data import DataConfig, build_shards, discover_corpus, load_shards, train_tokenizer
-from megacpp.data.shards import MANIFEST, ShardError, token_dtype
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import discover_corpus
+from megacpp.data.shards import MANIFEST, ShardError, build_shards, load_shards, token_dtype
+from megacpp.data.tokenizer import train_tokenizer
 
 
 def make_corpus(root: Path, n: int = 24, tag: str = ""):

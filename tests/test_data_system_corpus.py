@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megacpp.config import ConfigError
-from megacpp.data import DataConfig, discover_corpus
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import discover_corpus
 from megacpp.data.system_corpus import SourceTree, compiler_include_dirs, system_trees
 from megacpp.run_config import load_config
 

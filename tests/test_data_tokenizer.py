@@ -6,8 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megacpp.data import CodeTokenizer, DataConfig, discover_corpus, train_tokenizer
-from megacpp.data.tokenizer import sample_documents
+from megacpp.data.config import DataConfig
+from megacpp.data.corpus import discover_corpus
+from megacpp.data.tokenizer import CodeTokenizer, sample_documents, train_tokenizer
 
 SNIPPET = """\
 namespace demo {{

@@ -84,3 +84,59 @@ def test_importing_the_config_or_the_cli_loads_neither_dynamo_nor_dtensor(module
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]", f"import {module} loaded {result.stdout.strip()}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        name = _module_name(path)
+        modules[name] = imported_modules(path, name if path.name == "__init__.py" else name.rpartition(".")[0])
+    return {module: {n for n in names if n in modules and n != module} for module, names in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None: depth-first search."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_has_no_import_cycle():
+    """Late (function-level) imports count: a cycle hidden in a function is still one (config.py,
+    presets.py, validate.py and data/config.py had one until run_config.py took the layering above them)."""
+    assert _find_cycle(_import_graph()) is None
+
+
+def test_the_data_package_loads_its_names_on_first_use():
+    """`from megacpp.data import X` works for every documented name, and reading the configuration does
+    not load the data path (its corpus discovery imports the gate, which imports megacpp.config)."""
+    import megacpp.data
+
+    assert all(getattr(megacpp.data, name) is not None for name in megacpp.data.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        megacpp.data.nope  # noqa: B018
+    code = "import sys, megacpp.config; print(sorted(m for m in sys.modules if m.startswith('megacpp.data')))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "['megacpp.data', 'megacpp.data.config']"

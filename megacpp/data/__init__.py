@@ -1,25 +1,30 @@
-"""Data path: corpus discovery, BPE tokenizer, tokenized shard cache, packed loaders."""
-from megacpp.data.baselines import Baselines
-from megacpp.data.config import DataConfig, default_cache_dir
-from megacpp.data.corpus import Corpus, CorpusError, Document, discover_corpus
-from megacpp.data.loader import (
-    Batch,
-    LoaderStateError,
-    PackedLoader,
-    SplitTooSmallError,
-    ValBatch,
-    ValLoader,
-    bits_per_byte,
-)
-from megacpp.data.prepare import PreparedData, load_or_train_tokenizer, prepare_data
-from megacpp.data.shards import ShardError, ShardSet, ShardSplit, build_shards, load_shards
-from megacpp.data.tokenizer import CodeTokenizer, train_tokenizer
+"""Data path: corpus discovery (corpus, system_corpus), BPE tokenizer (tokenizer), tokenized shard cache
+(shards), packed loaders (loader), baselines, and `prepare` that runs them in order.
 
-__all__ = [
-    "Baselines", "Batch", "CodeTokenizer", "Corpus", "CorpusError", "DataConfig", "Document", "LoaderStateError",
-    "PackedLoader",
-    "PreparedData", "ShardError", "ShardSet", "ShardSplit", "SplitTooSmallError", "ValBatch", "ValLoader",
-    "bits_per_byte",
-    "build_shards", "default_cache_dir", "discover_corpus", "load_or_train_tokenizer", "load_shards",
-    "prepare_data", "train_tokenizer",
-]
+`from megacpp.data import prepare_data` works as documented, but the names load on first use
+(PEP 562): `megacpp.config` reads `DataConfig` from this package, and corpus discovery applies the
+configuration gate, which builds on `megacpp.config`; importing every submodule here would make
+`import megacpp.config` import itself half-way. Code inside megacpp imports from the submodules.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SUBMODULE = {
+    **dict.fromkeys(("Baselines",), "baselines"),
+    **dict.fromkeys(("DataConfig", "default_cache_dir"), "config"),
+    **dict.fromkeys(("Corpus", "CorpusError", "Document", "discover_corpus"), "corpus"),
+    **dict.fromkeys(("Batch", "LoaderStateError", "PackedLoader", "SplitTooSmallError", "ValBatch", "ValLoader",
+                     "bits_per_byte"), "loader"),
+    **dict.fromkeys(("PreparedData", "load_or_train_tokenizer", "prepare_data"), "prepare"),
+    **dict.fromkeys(("ShardError", "ShardSet", "ShardSplit", "build_shards", "load_shards"), "shards"),
+    **dict.fromkeys(("CodeTokenizer", "train_tokenizer"), "tokenizer"),
+}
+__all__ = sorted(_SUBMODULE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE:
+        raise AttributeError(f"module 'megacpp.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megacpp.data.{_SUBMODULE[name]}"), name)

@@ -51,9 +51,3 @@ class DataConfig:
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
-    def validate(self) -> None:
-        """Raise ConfigError (a ValueError) naming the first field with an invalid value: the gate's
-        data rules, for callers that build a DataConfig directly."""
-        from megacpp.validate import validate_section  # the gate imports this module: import late
-
-        validate_section(self, "data")

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from megacpp.config import Config
-from megacpp.data import Baselines, CodeTokenizer
+from megacpp.data.baselines import Baselines
+from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.errors import UsageError
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict

@@ -7,19 +7,15 @@ from pathlib import Path
 
 import torch
 
-from megacpp.data import (
-    Baselines,
-    CodeTokenizer,
-    DataConfig,
-    PackedLoader,
-    ShardSet,
-    ValBatch,
-    ValLoader,
-    prepare_data,
-)
+from megacpp.data.baselines import Baselines
+from megacpp.data.config import DataConfig
 from megacpp.data.corpus import CorpusError, discover_corpus
-from megacpp.data.prepare import load_or_train_tokenizer
+from megacpp.data.loader import PackedLoader, ValBatch, ValLoader
+from megacpp.data.prepare import load_or_train_tokenizer, prepare_data
+from megacpp.data.shards import ShardSet
+from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.fs import atomic_write_bytes
+from megacpp.validate import validate_section
 
 
 @dataclass
@@ -52,7 +48,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
                log: Callable[[str], None] = print, progress: bool = True,
                rank: int = 0, world_size: int = 1) -> DataBundle:
     """Discover, tokenize (cached) and wrap the corpus in loaders for this rank."""
-    cfg.validate()
+    validate_section(cfg, "data")
     prepared = prepare_data(cfg, progress=progress, log=log)
     device = torch.device(device)
     try:
@@ -67,7 +63,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
 
 def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
     """`megacpp tokenizer train`: train (or find cached) and optionally copy tokenizer.json to ``out``."""
-    cfg.validate()
+    validate_section(cfg, "data")
     tok = load_or_train_tokenizer(cfg, discover_corpus(cfg))
     if out is not None:
         out = out / "tokenizer.json" if out.suffix != ".json" else out

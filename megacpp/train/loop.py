@@ -25,7 +25,7 @@ from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
-from megacpp.data import Baselines
+from megacpp.data.baselines import Baselines
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext, init_distributed, torchrun_world
 from megacpp.distributed.health import check_compile_health

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megacpp.data import Baselines
+from megacpp.data.baselines import Baselines
 
 if TYPE_CHECKING:
     from megacpp.train.loop import TrainResult
