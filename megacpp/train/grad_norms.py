@@ -13,6 +13,9 @@ without it (tested).
 """
 from __future__ import annotations
 
+import statistics
+from collections import Counter
+
 import torch
 from torch import Tensor, nn
 
@@ -68,3 +71,30 @@ def topmost_inflated_block(blocks: dict[str, float], typical: dict[str, float], 
     no block does. Labels are ``block_record``'s "<depth><kind>"."""
     inflated = [label for label, norm in blocks.items() if norm > factor * typical[label]]
     return max(inflated, key=lambda label: int(label[:-1]), default=None)
+
+
+SPIKE_FACTOR = 10.0  # a spike: a gradient norm above this many times the run's median (and, per block, its own)
+QUIET_START = 20  # the first steps' norms are large by nature (fresh weights, warmup): never spikes
+
+
+def spike_summary(history: list[tuple[int, float, dict[str, float] | None]]) -> str | None:
+    """One end-of-run line on the gradient-norm spikes of ``(step, norm before clipping, block norms)``
+    records: how many steps after QUIET_START exceed SPIKE_FACTOR x the median, the largest, and the
+    blocks where they start; None when there are none (or too few steps to say)."""
+    window = [h for h in history if h[0] > QUIET_START]
+    if len(window) < 3:
+        return None
+    median = statistics.median(norm for _, norm, _ in window)
+    spikes = [h for h in window if h[1] > SPIKE_FACTOR * median]
+    if not spikes:
+        return None
+    step, largest, _ = max(spikes, key=lambda h: h[1])
+    line = (f"gradient norm: {len(spikes)} of {len(window)} steps after step {QUIET_START} above "
+            f"{SPIKE_FACTOR:g}x the median {median:.3g} (largest {largest:.3g} at step {step}, before clipping)")
+    if all(blocks for _, _, blocks in window):
+        labels = window[0][2]
+        typical = {label: statistics.median(blocks[label] for _, _, blocks in window) for label in labels}
+        starts = Counter(topmost_inflated_block(blocks, typical, SPIKE_FACTOR) or "no single block"
+                         for _, _, blocks in spikes)
+        line += "; they start at " + ", ".join(f"{label} ({n})" for label, n in starts.most_common())
+    return line + " (every block's norm is in metrics.jsonl; benchmarks/loss_spread.py tabulates them)"

@@ -58,7 +58,7 @@ from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
 from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
-from megacpp.train.grad_norms import PartGradNorms
+from megacpp.train.grad_norms import PartGradNorms, spike_summary
 from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
@@ -120,6 +120,7 @@ class TrainResult:
     rank: int = 0  # under torchrun only rank 0 reports
     device_type: str = "cpu"
     out_of_time: bool = False  # train.time_budget_s ended the run before train.steps
+    grad_spikes: str | None = None  # grad_norms.spike_summary of this process's steps
 
 
 def find_nonfinite_sublayer(model: nn.Module, x: Tensor, doc_ids: Tensor) -> str:
@@ -220,6 +221,7 @@ class Trainer:
         self.part_grad_norms = PartGradNorms(self.model, ctx)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
         self.block_grad_norms: Tensor | None = None  # the last step's, per block
+        self.norm_history: list[tuple[int, float, dict[str, float] | None]] = []  # for the end-of-run line
         self.step = 0
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
         self.steps_started = 0  # by this process: the auto-fit warmup window counts them
@@ -520,6 +522,8 @@ class Trainer:
                           "elapsed_s": self.elapsed(), **_floats(self.stack.metrics), **_floats(self.grad_norms)}
                 if self.block_grad_norms is not None:
                     record["block_grad_norms"] = self.part_grad_norms.block_record(self.block_grad_norms)
+                if "grad_norm" in record:
+                    self.norm_history.append((self.step, record["grad_norm"], record.get("block_grad_norms")))
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
@@ -584,7 +588,7 @@ class Trainer:
             plot = plot_loss(metrics.path, self.out_dir / "loss.png")
             self.log(f"loss curve: {plot}")
         return TrainResult(self.out_dir, self.step, self.losses, val_bpb, self.data.baselines, checkpoint,
-                           sample, ctx.rank, self.device.type, out_of_time)
+                           sample, ctx.rank, self.device.type, out_of_time, spike_summary(self.norm_history))
 
     def _nothing_to_train(self) -> TrainResult:
         """A resumed run already at train.steps: say so and end cleanly (no metrics, plot or sample)."""

@@ -24,6 +24,8 @@ def run_summary(result: TrainResult) -> str:
     why = " (train.time_budget_s spent)" if result.out_of_time else ""
     lines = [f"done: {result.step} steps{why}, {beside_baselines(result.val_bpb, result.baselines)}; "
              f"checkpoint {result.checkpoint}"]
+    if result.grad_spikes:
+        lines.append(result.grad_spikes)
     if result.device_type == "cpu":
         lines.append("note: a CPU run is a smoke test of the whole path (data, model, optimizer, checkpoint, "
                      f"sample), not a measure of what the model can learn: {GPU_REFERENCE}")
