@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megacpp.train.grad_norms import topmost_inflated_block
+from megacpp.train.grad_norms import spike_starts
 from megacpp.train.metrics import read_metrics
 
 PART_PREFIX = "grad_norm_"  # the per-part norms of megacpp.train.grad_norms
@@ -52,10 +52,8 @@ def spread(path: Path, first: int, last: int) -> dict[str, float]:
 
 def spike_origins(records: list[dict], spikes: list[dict]) -> str:
     """How often each block was the topmost inflated one at a spike, e.g. "11R 3, 7M 1"."""
-    labels = records[0]["block_grad_norms"]
-    typical = {label: float(np.median([r["block_grad_norms"][label] for r in records])) for label in labels}
-    counts = Counter(topmost_inflated_block(r["block_grad_norms"], typical) or "none" for r in spikes)
-    return ", ".join(f"{label} {n}" for label, n in counts.most_common()) or "-"
+    counts = spike_starts([r["block_grad_norms"] for r in records], [r["block_grad_norms"] for r in spikes])
+    return ", ".join(f"{label or 'none'} {n}" for label, n in counts.most_common()) or "-"
 
 
 def largest_parts(records: list[dict]) -> str:

@@ -80,17 +80,20 @@ def test_importing_the_config_or_the_cli_loads_neither_dynamo_nor_dtensor(module
     """Each costs about a second of import before `megacpp config` or `--help` can answer. A fresh
     interpreter: this test process has long imported both."""
     heavy = ("torch._dynamo", "torch.distributed.tensor")
-    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    loaded = _fresh_import(module, heavy)
+    assert loaded == "[]", f"import {module} loaded {loaded}"
+
+
+def _fresh_import(module: str, prefixes: str | tuple[str, ...]) -> str:
+    """In a fresh interpreter, import `module` and print the sorted loaded modules starting with `prefixes`."""
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert result.stdout.strip() == "[]", f"import {module} loaded {result.stdout.strip()}"
+    return result.stdout.strip()
 
 
 def _import_graph() -> dict[str, set[str]]:
-    modules = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        name = _module_name(path)
-        modules[name] = imported_modules(path, name if path.name == "__init__.py" else name.rpartition(".")[0])
+    modules = _imports_of_package("")  # the whole package
     return {module: {n for n in names if n in modules and n != module} for module, names in modules.items()}
 
 
@@ -136,7 +139,4 @@ def test_the_data_package_loads_its_names_on_first_use():
     assert all(getattr(megacpp.data, name) is not None for name in megacpp.data.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         megacpp.data.nope  # noqa: B018
-    code = "import sys, megacpp.config; print(sorted(m for m in sys.modules if m.startswith('megacpp.data')))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert result.stdout.strip() == "['megacpp.data', 'megacpp.data.config']"
+    assert _fresh_import("megacpp.config", "megacpp.data") == "['megacpp.data', 'megacpp.data.config']"

@@ -73,6 +73,14 @@ def topmost_inflated_block(blocks: dict[str, float], typical: dict[str, float], 
     return max(inflated, key=lambda label: int(label[:-1]), default=None)
 
 
+def spike_starts(window: list[dict[str, float]], spikes: list[dict[str, float]], factor: float = 10.0
+                 ) -> Counter[str | None]:
+    """How often each block was where a spike started: `topmost_inflated_block` of each spike's block
+    norms against every block's median over ``window`` (None: no block was inflated)."""
+    typical = {label: statistics.median(blocks[label] for blocks in window) for label in window[0]}
+    return Counter(topmost_inflated_block(blocks, typical, factor) for blocks in spikes)
+
+
 SPIKE_FACTOR = 10.0  # a spike: a gradient norm above this many times the run's median (and, per block, its own)
 QUIET_START = 20  # the first steps' norms are large by nature (fresh weights, warmup): never spikes
 
@@ -92,9 +100,7 @@ def spike_summary(history: list[tuple[int, float, dict[str, float] | None]]) -> 
     line = (f"gradient norm: {len(spikes)} of {len(window)} steps after step {QUIET_START} above "
             f"{SPIKE_FACTOR:g}x the median {median:.3g} (largest {largest:.3g} at step {step}, before clipping)")
     if all(blocks for _, _, blocks in window):
-        labels = window[0][2]
-        typical = {label: statistics.median(blocks[label] for _, _, blocks in window) for label in labels}
-        starts = Counter(topmost_inflated_block(blocks, typical, SPIKE_FACTOR) or "no single block"
-                         for _, _, blocks in spikes)
-        line += "; they start at " + ", ".join(f"{label} ({n})" for label, n in starts.most_common())
+        starts = spike_starts([blocks for _, _, blocks in window], [blocks for _, _, blocks in spikes])
+        line += "; they start at " + ", ".join(f"{label or 'no single block'} ({n})"
+                                               for label, n in starts.most_common())
     return line + " (every block's norm is in metrics.jsonl; benchmarks/loss_spread.py tabulates them)"
