@@ -29,12 +29,13 @@ from megacpp.config import ConfigError
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.parity import relevant_env
+from megacpp.distributed.rendezvous import oom_key
 from megacpp.run_config import load_config
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
-from megacpp.train.autofit import MICRO_BATCH_ENV, REPORT_ENV, next_micro_batch
+from megacpp.train.autofit import MICRO_BATCH_ENV, REPORT_ENV, OomReport, next_micro_batch
 from megacpp.train.child_output import ChildOutput
 from megacpp.train.loop import Trainer
-from megacpp.train.supervisor import child_environment
+from megacpp.train.supervisor import Job, _run_attempt, child_environment
 from tests.helpers import tiny_train_args, tiny_train_config, write_corpus
 from tests.torchrun import ROOT, Launch, python, torchrun, worker_env
 
@@ -192,6 +193,25 @@ def test_child_output_streams_bytes_logs_finished_lines_and_keeps_a_tail(tmp_pat
     assert sorted(capture.tail()) == sorted(log[1:])
 
 
+def test_a_child_stopped_for_a_peers_out_of_memory_ends_its_log_saying_so(tmp_path, monkeypatch):
+    """Under torchrun a rank whose child is blocked in a collective is stopped by its supervisor when a
+    peer reports an out-of-memory error; that child's log must not just stop (seen on 2 H200s: rank 1's
+    log ended with a warning). The "python" here is a stand-in that blocks."""
+    blocker = tmp_path / "blocked-python"
+    blocker.write_text("#!/bin/sh\nexec sleep 60\n")
+    blocker.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(blocker))
+    store = torch.distributed.HashStore()
+    store.set(oom_key(1), OomReport(1, 64, 1, "peak 133.41 GiB", None, "CUDA out of memory").to_json())
+    job = Job(rank=0, world_size=2, out_dir=tmp_path / "run")
+    start = time.monotonic()
+    outcome = _run_attempt(job, 1, None, ["train"], store)
+    assert time.monotonic() - start < 30 and outcome.oom is not None and outcome.oom.rank == 1
+    assert job.log_path(1).read_text().splitlines()[-1] == (
+        "=== stopped by the supervisor: rank 1 ran out of memory in warmup step 1 at micro-batch 64; every rank "
+        "retries")
+
+
 # ---------------------------------------------------------------- the supervisor, on CPU with the hook
 
 
@@ -308,6 +328,10 @@ def test_two_ranks_retry_together_when_only_rank_1_runs_out_of_memory(tmp_path, 
     assert "rank 0: out of memory" not in retried.output
     logs = tmp_path / "retried" / "run" / "logs"
     assert all((logs / f"attempt{a}.rank{r}.log").is_file() for a in (1, 2) for r in (0, 1))
+    # Rank 0's log ends saying why: its child's own line when a failed collective woke it first, else
+    # the supervisor's when it had to stop a child blocked in a collective.
+    assert "rank 1 ran out of memory in warmup step 1" in (logs / "attempt1.rank0.log").read_text().splitlines()[-1]
+    assert "stopped by the supervisor" not in (logs / "attempt1.rank1.log").read_text()
     torchrun(["-m", "megacpp.cli", *tiny_train_args(tmp_path / "plain", corpus, **overrides,
                                                     **{"train.micro_batch": "1"})], timeout=400).check()
     assert torch.equal(_losses(tmp_path / "retried" / "run"), _losses(tmp_path / "plain" / "run"))

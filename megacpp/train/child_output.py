@@ -79,13 +79,16 @@ class ChildOutput:
             self._log.flush()
             self._tail.extend(lines)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Wait until both pipes are drained: every byte the child wrote is shown and logged. A pipe
-        still held open by a process that escaped the child's process group is abandoned after
-        `timeout_s` (its daemon thread keeps copying)."""
+    def close(self, epilogue: str = "", timeout_s: float = 10.0) -> None:
+        """Wait until both pipes are drained: every byte the child wrote is shown and logged, then
+        `epilogue` (the supervisor's own last word on the attempt) is logged below it. A pipe still held
+        open by a process that escaped the child's process group is abandoned after `timeout_s` (its
+        daemon thread keeps copying)."""
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if epilogue:
+            self._keep([epilogue])
         if not any(thread.is_alive() for thread in self._threads):
             self._log.close()
 

@@ -184,7 +184,7 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
         output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
         peer_oom = _wait(proc, attempt, store)
     _end_stragglers(proc.pid)
-    output.close()
+    output.close(_stopped_for(peer_oom, job.rank))
     status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     oom = _read_report(report_path) or peer_oom or _peer_report(store, attempt)
     return Outcome(status, oom, bool(forwarding.received), output)
@@ -253,6 +253,15 @@ def _wait(proc: subprocess.Popen, attempt: int, store: Store | None) -> OomRepor
         if kill_at is not None and time.monotonic() > kill_at:
             proc.kill()
             kill_at = None
+
+
+def _stopped_for(peer: OomReport | None, rank: int) -> str:
+    """The line that ends the log of a child stopped for a peer's out-of-memory error: without it the
+    log would just stop, with no error of its own."""
+    if peer is None or peer.rank == rank:  # this rank's own report: its child said it
+        return ""
+    return (f"=== stopped by the supervisor: rank {peer.rank} ran out of memory in warmup step {peer.step} at "
+            f"micro-batch {peer.micro_batch}; every rank retries")
 
 
 def _end_stragglers(pgid: int) -> None:
