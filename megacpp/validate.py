@@ -142,6 +142,7 @@ RANGES: dict[str, Interval] = {
     "model.rnn.dt_max": POSITIVE,
     "model.rnn.A_init_min": POSITIVE,  # stored as log(A)
     "model.rnn.A_init_max": POSITIVE,
+    "model.rnn.w_spectral_cap": NON_NEGATIVE,  # 0 = off
     "model.ffn.hidden": AT_LEAST_1,
     "model.engram.dim": AT_LEAST_1,
     "model.engram.ngram_heads": AT_LEAST_1,
@@ -433,7 +434,8 @@ def _lr_scales_name_used_kinds(k: _Keys) -> None:
     if absent:
         raise k.error_among(("optim.lr_scale_by_kind", "model.pattern"),
                             f"block kind(s) {', '.join(absent)} do not occur in the pattern, so their learning-rate "
-                            "factors would change nothing")
+                            "factors would change nothing (drop them, or pass --optim.lr_scale_by_kind '' for none; "
+                            "the `dense` preset is `small` with pattern AF and no factors)")
 
 
 def _phase_key(k: _Keys, phase: str) -> str:

@@ -219,7 +219,8 @@ def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_chec
 # ---------------------------------------------------------------- equivalence with one process
 
 
-@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3), ("muon+qk_clip", 2e-3)])
+@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3), ("muon+qk_clip", 2e-3),
+                                                  ("muon+w_spectral_cap", 2e-3)])
 def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, optimizer, bound):
     """Tier 3: same global batch, data and initial weights. Step 1 (no update yet) agrees to 1e-5; the
     8 steps to `bound`. The ranks' gradients are averaged by a reduce-scatter, one process averages over
@@ -230,6 +231,8 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
     if optimizer == "muon+qk_clip":  # a tau that clips every step: row scaling of sharded QKV weights
         extra.update({"model.attention.qk_clip": "weight", "model.attention.qk_norm": "false",
                       "model.attention.qk_clip_tau": "0.5"})
+    if optimizer == "muon+w_spectral_cap":  # a cap below 1 rescales R's W (FSDP2: heads sharded) every step
+        extra["model.rnn.w_spectral_cap"] = "0.9"
     single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **{**extra, "train.batch_size": "4"})],
                     timeout=240).check()
     assert "done: 8 steps" in single.output
@@ -250,6 +253,14 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
         assert clip["one"][0][1] > 0 and clip["one"][0][0] > 10 * 0.5
         for (a, _), (b, _) in zip(clip["one"][:2], clip["two"][:2], strict=True):
             assert abs(a - b) <= 1e-4 * a
+    if optimizer == "muon+w_spectral_cap":
+        # every rank capped its own heads: the whole W of every R block ends at sigma_max <= 0.9 (fp32 SVD
+        # of a small matrix: a few eps(fp32) relative)
+        weights = load_file(str(list_checkpoints(tmp_path / "two" / "run")[0] / "model.safetensors"))
+        caps = [name for name in weights if name.endswith("mixer.W")]
+        assert caps
+        for name in caps:
+            assert torch.linalg.svdvals(weights[name].double())[..., 0].max() <= 0.9 * (1 + 1e-6), name
 
 
 def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus):

@@ -6,7 +6,7 @@ not survive: FSDP2's ``fully_shard`` replaces every parameter with a new DTensor
 8 of the default model's 61 parameters changed optimizer and the split-QKV sizes were lost).
 
 - ``param_hints: dict[str, ParamHint]``: optimizer choice, Muon learning-rate scaling, split-QKV
-  row sizes, no weight decay.
+  row sizes, no weight decay, a bound on the spectral norm kept after every optimizer step.
 - ``reduced_buffers: dict[str, "sum" | "max"]``: per-forward statistics that feed back into weights or
   control flow (MoE expert counts, attention logit bounds). Under data parallelism each rank sees its
   own batch, so these are reduced across ranks before anything reads them.
@@ -32,6 +32,9 @@ class ParamHint:
     lr_scaling: Literal["original", "match_rms_adamw"] | None = None  # Muon lr scaling override
     qkv_split: tuple[int, ...] | None = None  # Muon orthogonalizes each output-row slice on its own
     no_decay: bool = False  # never weight-decayed
+    # After every optimizer step each matrix (last two dims) is rescaled to at most this largest
+    # singular value (megacpp.optim.spectral_cap); None: unbounded.
+    max_spectral_norm: float | None = None
 
 
 def canonical_name(name: str) -> str:

@@ -28,6 +28,10 @@ class M2RNNConfig:
     dt_max: float = 0.1
     A_init_min: float = 1.0  # A at init is uniform in [A_init_min, A_init_max]
     A_init_max: float = 16.0
+    # > 0: after every optimizer step, each head's W is rescaled to a spectral norm of at most this
+    # (megacpp.optim.spectral_cap). At <= 1 the backward through time cannot grow from step to step:
+    # each step's Jacobian has norm <= f * sigma_max(W) with f <= 1 and tanh' <= 1. 0 = off.
+    w_spectral_cap: float = 0.0
 
 
 class M2RNN(nn.Module):
@@ -46,6 +50,8 @@ class M2RNN(nn.Module):
             "qkv.weight": ParamHint(qkv_split=(n_heads * dk, n_heads * dk, n_heads * dv)),
             "a_proj.weight": ParamHint(optimizer="adamw"),
         }
+        if cfg.w_spectral_cap > 0:
+            self.param_hints["W"] = ParamHint(max_spectral_norm=cfg.w_spectral_cap)
         self.gate = nn.Linear(d_model, n_heads * dv, bias=False)
         self.out_proj = nn.Linear(n_heads * dv, d_model, bias=False)
         self.W = nn.Parameter(torch.empty(n_heads, dv, dv))  # 3-D: Muon treats it as H matrices

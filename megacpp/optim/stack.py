@@ -1,9 +1,9 @@
 """OptimizerStack: the registered optimizers + LR schedule + MuonClip, stepped in the one fixed order.
 
-step(): grad-norm clip -> optimizer steps (in registry order: Muon, then AdamW) -> MuonClip -> LR
-scheduler. MuonClip must see the weights the optimizers just wrote and the bounds of the forward that
-produced this step's gradients; the scheduler moves last so the step that just ran used the lr of its
-own position.
+step(): grad-norm clip -> optimizer steps (in registry order: Muon, then AdamW) -> MuonClip -> spectral
+cap -> LR scheduler. MuonClip and the spectral cap (megacpp.optim.spectral_cap) must see the weights the
+optimizers just wrote (MuonClip also the bounds of the forward that produced this step's gradients); the
+scheduler moves last so the step that just ran used the lr of its own position.
 
 The stack holds a named list of optimizers built from megacpp.optim.registry: each routed parameter
 goes to the optimizer its route names, and an optimizer no parameter is routed to is not built.
@@ -29,6 +29,7 @@ from megacpp.optim.local import full_value
 from megacpp.optim.registry import OPTIMIZERS
 from megacpp.optim.route import Route
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay
+from megacpp.optim.spectral_cap import SpectralCap
 
 
 class OptimizerStack:
@@ -40,10 +41,12 @@ class OptimizerStack:
         grad_clip_norm: float = 0.0,
         routing_table: str = "",
         names: Mapping[Tensor, str] | None = None,
+        spectral_cap: SpectralCap | None = None,
     ) -> None:
         self.by_name = dict(optimizers)  # registry name -> optimizer, in step order
         self.scheduler = scheduler
         self.clip = clip
+        self.spectral_cap = spectral_cap
         self.grad_clip_norm = grad_clip_norm
         self.routing_table = routing_table
         self.names = dict(names or {})  # parameter -> its model name, the key of its moments
@@ -57,7 +60,7 @@ class OptimizerStack:
         return [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
 
     def step(self) -> None:
-        """The one place that fixes the order: optimizer steps, then MuonClip, then the scheduler."""
+        """The one place that fixes the order: optimizer steps, MuonClip, the spectral cap, the scheduler."""
         metrics: dict[str, Tensor | float] = {"lr_multiplier": self.scheduler.multiplier}
         if self.grad_clip_norm > 0:
             # foreach norm + clamp on the device; no host sync (error_if_nonfinite stays off).
@@ -69,6 +72,8 @@ class OptimizerStack:
             opt.step()
         if self.clip is not None:
             metrics.update(self.clip.apply())
+        if self.spectral_cap is not None:
+            metrics.update(self.spectral_cap.apply())
         self.scheduler.step()
         self.metrics = metrics
 
@@ -144,7 +149,7 @@ def build_optimizers(
     if log is not None:
         log(table)
     return OptimizerStack(optimizers, scheduler, clip, cfg.grad_clip_norm, table,
-                          names={r.param: r.name for r in routes})
+                          names={r.param: r.name for r in routes}, spectral_cap=SpectralCap.for_routes(routes))
 
 
 def _param_groups(routes: list[Route], cfg: OptimConfig) -> dict[str, list[dict[str, Any]]]:

@@ -1,0 +1,127 @@
+"""Tests for the spectral cap (megacpp.optim.spectral_cap) and why R's W needs it. Tier in each name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.ops.m2rnn_scan import m2rnn_scan
+from megacpp.optim import OptimConfig, build_optimizers
+from megacpp.optim.spectral_cap import CappedParam, SpectralCap
+
+# fp32 SVD: the largest singular value of a well-scaled 7x7 matrix is found to a relative error of a few
+# eps(fp32) ~ 1.2e-7; 1e-6 leaves a margin of ~8.
+SIGMA_RTOL = 1e-6
+
+
+def sigma_max(w: torch.Tensor) -> torch.Tensor:
+    """Largest singular value of each matrix, in float64 (independent of the cap's fp32 computation)."""
+    return torch.linalg.svdvals(w.double())[..., 0]
+
+
+def stack_with_sigmas(sigmas: list[float], n: int = 7, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(len(sigmas), n, n, generator=g)
+    return w * (torch.tensor(sigmas) / sigma_max(w).float())[:, None, None]
+
+
+def test_tier1_matrices_within_the_bound_are_untouched_bit_for_bit() -> None:
+    w = stack_with_sigmas([0.5, 0.999, 1.3, 2.0, 0.1])
+    before = w.clone()
+    SpectralCap([CappedParam("W", w, 1.0)]).apply()
+    for i in (0, 1, 4):
+        assert torch.equal(w[i], before[i]), i
+
+
+def test_tier3_matrices_above_the_bound_end_at_it_and_keep_their_direction() -> None:
+    w = stack_with_sigmas([0.5, 1.3, 2.0, 17.0], seed=1)
+    before = w.clone()
+    metrics = SpectralCap([CappedParam("W", w, 1.0)]).apply()
+    after = sigma_max(w)
+    for i in (1, 2, 3):
+        assert abs(after[i].item() - 1.0) <= SIGMA_RTOL, (i, after[i].item())
+        # a pure rescaling: the same matrix divided by its spectral norm
+        ratio = before[i].double() / sigma_max(before[i]) - w[i].double()
+        assert ratio.abs().max().item() <= SIGMA_RTOL * before[i].abs().max().item() / sigma_max(before[i]).item()
+    assert int(metrics["spectral_cap/n_capped"]) == 3
+    assert abs(metrics["spectral_cap/max_sigma"].item() - 17.0) <= 17.0 * SIGMA_RTOL
+
+
+def test_tier1_cap_refuses_what_it_cannot_bound() -> None:
+    with pytest.raises(ValueError, match="needs a matrix"):
+        SpectralCap([CappedParam("b", torch.zeros(4), 1.0)])
+    with pytest.raises(ValueError, match="must be > 0"):
+        SpectralCap([CappedParam("W", torch.zeros(2, 3, 3), 0.0)])
+
+
+class RBlock(nn.Module):
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.mixer = M2RNN(16, M2RNNConfig(n_heads=3, key_dim=4, value_dim=5, w_spectral_cap=cap), layer_idx=0)
+
+
+class OneRBlock(nn.Module):
+    """The smallest model the optimizer routing accepts: blocks.0.mixer is an R mixer."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RBlock(cap)])
+
+    @property
+    def rnn(self) -> M2RNN:
+        return self.blocks[0].mixer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_tier1_optimizer_step_caps_m2rnn_W_when_configured(compile_step: bool) -> None:
+    """W pushed to spectral norms 1.6 / 0.8 / 3.0, then one optimizer step with the cap at 1: the two
+    heads above end within the bound; without the cap the stack has none and W keeps its norms."""
+    torch.manual_seed(0)
+    for cap in (1.0, 0.0):
+        model = OneRBlock(cap)
+        with torch.no_grad():
+            model.rnn.W.copy_(stack_with_sigmas([1.6, 0.8, 3.0], n=5, seed=2))
+            model.rnn.out_proj.weight.normal_()  # zero at init: W would get no gradient
+        model(torch.randn(2, 9, 16)).square().mean().backward()
+        stack = build_optimizers(model, OptimConfig(compile_step=compile_step), total_steps=10, log=None,
+                                 model_compiled=compile_step)
+        stack.step()
+        sig = sigma_max(model.rnn.W.detach())
+        if cap:
+            assert (sig <= 1.0 + SIGMA_RTOL).all(), sig
+            assert stack.metrics["spectral_cap/n_capped"] >= 2
+        else:
+            assert stack.spectral_cap is None and "spectral_cap/max_sigma" not in stack.metrics
+            assert sig[2] > 2.5  # one Muon step moves W by ~lr: nothing pulled it to 1
+
+
+def last_output_gradient_at_first_input(sigma: float, t: int = 256) -> tuple[float, float]:
+    """||dL/dv_0|| / ||g|| for L = <g, y_{t-1}> through an M2RNN head with W = sigma * (an orthogonal
+    matrix) and f = 1, and the largest |y| of the forward; float64, the reference scan."""
+    g = torch.Generator().manual_seed(3)
+    dk = dv = 16
+    ortho, _ = torch.linalg.qr(torch.randn(dv, dv, generator=g, dtype=torch.float64))
+    q = torch.nn.functional.normalize(torch.randn(1, t, 1, dk, generator=g, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(1, t, 1, dk, generator=g, dtype=torch.float64), dim=-1)
+    v = (0.1 * torch.randn(1, t, 1, dv, generator=g, dtype=torch.float64)).requires_grad_()
+    f = torch.ones(1, t, 1, dtype=torch.float64)
+    y = m2rnn_scan(q, k, v, f, (sigma * ortho)[None])
+    weight = torch.randn(dv, generator=g, dtype=torch.float64)
+    (y[0, -1, 0] * weight).sum().backward()
+    return (v.grad[0, 0, 0].norm() / weight.norm()).item(), y.abs().max().item()
+
+
+def test_tier3_backward_through_time_explodes_above_spectral_norm_1_and_not_at_it() -> None:
+    """Why the cap: with sigma_max(W) = 2 the forward stays bounded (|y| <= sqrt(dk) = 4 by tanh and a
+    unit q) while the gradient 255 steps back is > 1e10 times the output's (1.7e12-3.1e15 over seeds 3-5:
+    the dynamics are chaotic). At sigma_max(W) = 1 each step's Jacobian has norm <= f * sigma_max(W) *
+    max tanh' <= 1, so that gradient is at most the output's (||dL/dh_{t-1}|| = ||q|| ||g|| = ||g||).
+    float64: rounding is ~1e-16 relative, far below both bounds."""
+    grown, y_max = last_output_gradient_at_first_input(2.0)
+    assert grown > 1e10 and y_max <= 16 ** 0.5
+    bounded, _ = last_output_gradient_at_first_input(1.0)
+    assert bounded <= 1.0
