@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megacpp.train.grad_norms import spike_starts
+from megacpp.train.grad_norms import median_block_norms, spike_starts
 from megacpp.train.metrics import read_metrics
 
 PART_PREFIX = "grad_norm_"  # the per-part norms of megacpp.train.grad_norms
@@ -52,7 +52,8 @@ def spread(path: Path, first: int, last: int) -> dict[str, float]:
 
 def spike_origins(records: list[dict], spikes: list[dict]) -> str:
     """How often each block was the topmost inflated one at a spike, e.g. "11R 3, 7M 1"."""
-    counts = spike_starts([r["block_grad_norms"] for r in records], [r["block_grad_norms"] for r in spikes])
+    typical = median_block_norms(r["block_grad_norms"] for r in records)
+    counts = spike_starts((r["block_grad_norms"] for r in spikes), typical)
     return ", ".join(f"{label or 'none'} {n}" for label, n in counts.most_common()) or "-"
 
 

@@ -8,7 +8,7 @@ from megacpp.distributed.context import DistContext
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import parameter_parts
 from megacpp.presets import tiny
-from megacpp.train.grad_norms import PartGradNorms, spike_summary, topmost_inflated_block
+from megacpp.train.grad_norms import NormHistory, PartGradNorms, spike_summary, topmost_inflated_block
 from megacpp.train.loop import Trainer
 from megacpp.train.metrics import read_metrics
 from tests.helpers import tiny_train_config
@@ -101,15 +101,15 @@ def test_tier1_training_logs_every_part_and_its_losses_do_not_depend_on_it(tmp_p
     assert all(list(r["block_grad_norms"]) == labels and min(r["block_grad_norms"].values()) > 0 for r in records)
 
 
-def _history(spike_step: int | None, with_blocks: bool = True) -> list[tuple[int, float, dict | None]]:
-    """40 steps at norm 1 (steps 1-20 at 30: early steps are not spikes), blocks 0A 1M 2R at 1; at
+def _history(spike_step: int | None, with_blocks: bool = True, steps: int = 40) -> NormHistory:
+    """`steps` steps at norm 1 (steps 1-20 at 30: early steps are not spikes), blocks 0A 1M 2R at 1; at
     spike_step the norm is 50 and blocks 0A and 1M are at 40 (the blow-up starts at 1M)."""
-    history = []
-    for step in range(1, 41):
+    history = NormHistory()
+    for step in range(1, steps + 1):
         norm, blocks = (30.0 if step <= 20 else 1.0), {"0A": 1.0, "1M": 1.0, "2R": 1.0}
         if step == spike_step:
             norm, blocks = 50.0, {"0A": 40.0, "1M": 40.0, "2R": 1.0}
-        history.append((step, norm, blocks if with_blocks else None))
+        history.append(step, norm, blocks if with_blocks else None)
     return history
 
 
@@ -118,8 +118,11 @@ def test_tier1_the_end_of_run_line_counts_spikes_and_names_where_they_start():
     assert line.startswith("gradient norm: 1 of 20 steps after step 20 above 10x the median 1 "
                            "(largest 50 at step 30, before clipping); they start at 1M (1) (")
     assert "they start" not in spike_summary(_history(30, with_blocks=False))
+    partial = _history(30)
+    partial.append(41, 1.0, None)  # one step without block norms: no block is named from a partial window
+    assert "they start" not in spike_summary(partial) and "1 of 21 steps" in spike_summary(partial)
     assert spike_summary(_history(None)) is None  # steps 1-20 at 30x the later median are not spikes
-    assert spike_summary(_history(None)[:21]) is None  # too few steps after the quiet start
+    assert spike_summary(_history(None, steps=22)) is None  # too few steps after the quiet start
 
 
 def test_tier1_the_run_summary_prints_the_spike_line(tmp_path):

@@ -14,7 +14,9 @@ without it (tested).
 from __future__ import annotations
 
 import statistics
+from array import array
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -73,11 +75,17 @@ def topmost_inflated_block(blocks: dict[str, float], typical: dict[str, float], 
     return max(inflated, key=lambda label: int(label[:-1]), default=None)
 
 
-def spike_starts(window: list[dict[str, float]], spikes: list[dict[str, float]], factor: float = 10.0
+def median_block_norms(window: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Each block's median norm over a window of steps' ``block_record``s: the typical value a spike is
+    measured against."""
+    rows = list(window)
+    return {label: statistics.median(blocks[label] for blocks in rows) for label in rows[0]}
+
+
+def spike_starts(spikes: Iterable[dict[str, float]], typical: dict[str, float], factor: float = 10.0
                  ) -> Counter[str | None]:
     """How often each block was where a spike started: `topmost_inflated_block` of each spike's block
-    norms against every block's median over ``window`` (None: no block was inflated)."""
-    typical = {label: statistics.median(blocks[label] for blocks in window) for label in window[0]}
+    norms against ``typical`` (each block's median; None: no block was inflated)."""
     return Counter(topmost_inflated_block(blocks, typical, factor) for blocks in spikes)
 
 
@@ -85,22 +93,62 @@ SPIKE_FACTOR = 10.0  # a spike: a gradient norm above this many times the run's 
 QUIET_START = 20  # the first steps' norms are large by nature (fresh weights, warmup): never spikes
 
 
-def spike_summary(history: list[tuple[int, float, dict[str, float] | None]]) -> str | None:
-    """One end-of-run line on the gradient-norm spikes of ``(step, norm before clipping, block norms)``
-    records: how many steps after QUIET_START exceed SPIKE_FACTOR x the median, the largest, and the
-    blocks where they start; None when there are none (or too few steps to say)."""
-    window = [h for h in history if h[0] > QUIET_START]
+class NormHistory:
+    """The gradient norms of a run's steps, kept for `spike_summary` in flat arrays: about 8 bytes per
+    block and step, where a list of per-step dicts of Python floats cost ~2 KB per step (180 MB over
+    100k steps of `small`)."""
+
+    def __init__(self) -> None:
+        self.steps = array("q")
+        self.norms = array("d")
+        self.labels: tuple[str, ...] | None = None  # the block labels, while every step has all of them
+        self._blocks = array("d")  # row-major: one row of len(labels) per step
+        self._every_step_has_blocks = True
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def append(self, step: int, norm: float, blocks: dict[str, float] | None) -> None:
+        """One step's global norm and its blocks' norms (``block_record``), or None without them."""
+        self.steps.append(step)
+        self.norms.append(norm)
+        if blocks is None or (self.labels is not None and tuple(blocks) != self.labels):
+            self._every_step_has_blocks = False
+        if self._every_step_has_blocks:
+            self.labels = self.labels or tuple(blocks)
+            self._blocks.extend(blocks.values())
+
+    def blocks(self, i: int) -> dict[str, float] | None:
+        """Step i's block norms (i counts appended steps), None unless every step has them."""
+        if not self._every_step_has_blocks or self.labels is None:
+            return None
+        width = len(self.labels)
+        return dict(zip(self.labels, self._blocks[i * width:(i + 1) * width], strict=True))
+
+    def block_medians(self, indices: list[int]) -> dict[str, float]:
+        """`median_block_norms` over the steps at `indices`, read column by column from the arrays."""
+        width = len(self.labels or ())
+        return {label: statistics.median(self._blocks[i * width + j] for i in indices)
+                for j, label in enumerate(self.labels or ())}
+
+
+def spike_summary(history: NormHistory) -> str | None:
+    """One end-of-run line on the gradient-norm spikes of a run's steps (norms before clipping): how
+    many steps after QUIET_START exceed SPIKE_FACTOR x the median, the largest, and the blocks where
+    they start; None when there are none (or too few steps to say)."""
+    window = [i for i, step in enumerate(history.steps) if step > QUIET_START]
     if len(window) < 3:
         return None
-    median = statistics.median(norm for _, norm, _ in window)
-    spikes = [h for h in window if h[1] > SPIKE_FACTOR * median]
+    median = statistics.median(history.norms[i] for i in window)
+    spikes = [i for i in window if history.norms[i] > SPIKE_FACTOR * median]
     if not spikes:
         return None
-    step, largest, _ = max(spikes, key=lambda h: h[1])
+    top = max(spikes, key=lambda i: history.norms[i])
     line = (f"gradient norm: {len(spikes)} of {len(window)} steps after step {QUIET_START} above "
-            f"{SPIKE_FACTOR:g}x the median {median:.3g} (largest {largest:.3g} at step {step}, before clipping)")
-    if all(blocks for _, _, blocks in window):
-        starts = spike_starts([blocks for _, _, blocks in window], [blocks for _, _, blocks in spikes])
+            f"{SPIKE_FACTOR:g}x the median {median:.3g} (largest {history.norms[top]:.3g} at step "
+            f"{history.steps[top]}, before clipping)")
+    if history.blocks(0) is not None:
+        starts = spike_starts((history.blocks(i) for i in spikes), history.block_medians(window))
         line += "; they start at " + ", ".join(f"{label or 'no single block'} ({n})"
                                                for label, n in starts.most_common())
     return line + " (every block's norm is in metrics.jsonl; benchmarks/loss_spread.py tabulates them)"

@@ -58,7 +58,7 @@ from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
 from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
-from megacpp.train.grad_norms import PartGradNorms, spike_summary
+from megacpp.train.grad_norms import NormHistory, PartGradNorms, spike_summary
 from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
@@ -221,7 +221,7 @@ class Trainer:
         self.part_grad_norms = PartGradNorms(self.model, ctx)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
         self.block_grad_norms: Tensor | None = None  # the last step's, per block
-        self.norm_history: list[tuple[int, float, dict[str, float] | None]] = []  # for the end-of-run line
+        self.norm_history = NormHistory()  # for the end-of-run line
         self.step = 0
         self.micro_batch = tc.micro_batch or tc.batch_size  # rows per forward/backward
         self.steps_started = 0  # by this process: the auto-fit warmup window counts them
@@ -523,7 +523,7 @@ class Trainer:
                 if self.block_grad_norms is not None:
                     record["block_grad_norms"] = self.part_grad_norms.block_record(self.block_grad_norms)
                 if "grad_norm" in record:
-                    self.norm_history.append((self.step, record["grad_norm"], record.get("block_grad_norms")))
+                    self.norm_history.append(self.step, record["grad_norm"], record.get("block_grad_norms"))
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
                 if peak:
                     record["mfu"] = flops * tok_s / ctx.world_size / peak
