@@ -11,7 +11,9 @@ raise sigma_max above 1 (1.0 -> 1.21 by step 150 on `tiny`), and `small`'s gradi
 A projection after the step, not a reparametrization in the forward: the model's function, its kernels
 and decode stay what they are; a matrix already within the bound is multiplied by exactly 1 (unchanged,
 bit for bit). Under FSDP2 a stacked (H, A, B) parameter is sharded on dim 0 into whole matrices, so each
-rank caps its own; a row-sharded matrix would need a distributed SVD and is refused.
+rank caps its own; a row-sharded matrix would need a distributed SVD and is refused. On CUDA the SVD
+synchronizes with the host (torch.linalg's rule), once per step after the optimizer: the training step
+already waits for its loss before the optimizer runs, so this adds the wait for the optimizer's kernels.
 """
 from __future__ import annotations
 
