@@ -254,13 +254,13 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
         for (a, _), (b, _) in zip(clip["one"][:2], clip["two"][:2], strict=True):
             assert abs(a - b) <= 1e-4 * a
     if optimizer == "muon+w_spectral_cap":
-        # every rank capped its own heads: the whole W of every R block ends at sigma_max <= 0.9 (fp32 SVD
-        # of a small matrix: a few eps(fp32) relative)
+        # every rank capped its own heads: the whole W of every R block ends at sigma_max <= 0.9, to the
+        # cap's slack (<= 1e-6) and fp32 rounding (1.2e-7)
         weights = load_file(str(list_checkpoints(tmp_path / "two" / "run")[0] / "model.safetensors"))
         caps = [name for name in weights if name.endswith("mixer.W")]
         assert caps
         for name in caps:
-            assert torch.linalg.svdvals(weights[name].double())[..., 0].max() <= 0.9 * (1 + 1e-6), name
+            assert torch.linalg.svdvals(weights[name].double())[..., 0].max() <= 0.9 * (1 + 2e-6), name
 
 
 def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus):

@@ -11,9 +11,12 @@ raise sigma_max above 1 (1.0 -> 1.21 by step 150 on `tiny`), and `small`'s gradi
 A projection after the step, not a reparametrization in the forward: the model's function, its kernels
 and decode stay what they are; a matrix already within the bound is multiplied by exactly 1 (unchanged,
 bit for bit). Under FSDP2 a stacked (H, A, B) parameter is sharded on dim 0 into whole matrices, so each
-rank caps its own; a row-sharded matrix would need a distributed SVD and is refused. On CUDA the SVD
-synchronizes with the host (torch.linalg's rule), once per step after the optimizer: the training step
-already waits for its loss before the optimizer runs, so this adds the wait for the optimizer's kernels.
+rank caps its own; a row-sharded matrix would need a distributed computation and is refused.
+
+The spectral norm comes from repeated squaring of the Gram matrix, not an SVD: torch.linalg's SVD
+synchronizes a CUDA device with the host, and on an H200 the exact cap made `small`'s whole step
+12.5 ms slower (180.8 against 168.3 ms). `spectral_norm_bound` is matmuls only: no sync, deterministic,
+and an upper bound within a factor (1 + 1e-6) of the true norm.
 """
 from __future__ import annotations
 
@@ -26,6 +29,30 @@ from torch import Tensor
 from megacpp.optim.local import is_sharded, local_tensor
 from megacpp.optim.route import Route
 
+SQUARINGS = 20  # the bound's overestimate is at most n ** (1 / 2 ** 22) - 1: 1e-6 for n = 64
+
+
+def spectral_norm_bound(matrices: Tensor) -> tuple[Tensor, float]:
+    """An upper bound of each matrix's largest singular value (..., A, B) -> (...,) in float64, and the
+    relative slack it may exceed it by.
+
+    With G = the smaller Gram matrix (eigenvalues s_i^2), ||G^k||_F = sqrt(sum s_i^(4k)) lies between
+    s_max^(2k) and sqrt(n) s_max^(2k), so ||G^k||_F^(1/(2k)) bounds s_max from above within a factor
+    n^(1/(4k)); k = 2^SQUARINGS is reached by squaring G, rescaled each time (the scales are kept as
+    logarithms) so that nothing overflows."""
+    x = matrices.double()
+    rows, cols = x.shape[-2:]
+    gram = x.mT @ x if cols <= rows else x @ x.mT
+    log_scale = torch.zeros(gram.shape[:-2], dtype=gram.dtype, device=gram.device)
+    for _ in range(SQUARINGS):
+        norm = torch.linalg.matrix_norm(gram).clamp_min(torch.finfo(gram.dtype).tiny)
+        log_scale = 2 * (log_scale + norm.log())
+        gram = gram / norm[..., None, None]
+        gram = gram @ gram
+    log_power_norm = log_scale + torch.linalg.matrix_norm(gram).log()  # log ||G^(2^SQUARINGS)||_F
+    bound = (log_power_norm / 2 ** (SQUARINGS + 1)).exp()
+    return bound, min(rows, cols) ** (1 / 2 ** (SQUARINGS + 2)) - 1
+
 
 @dataclass(frozen=True)
 class CappedParam:
@@ -35,8 +62,10 @@ class CappedParam:
 
 
 class SpectralCap:
-    """Caps the spectral norm of each matrix of the given parameters; metrics of the last `apply()`:
-    the largest spectral norm found before capping and how many matrices were rescaled."""
+    """Caps the spectral norm of each matrix of the given parameters at its bound, to within the relative
+    slack of `spectral_norm_bound` (1e-6): a matrix within the bound is left as it is, one above ends
+    between bound and bound * (1 + slack). Metrics of the last `apply()`: the largest spectral norm found
+    before capping (to that slack) and how many matrices were rescaled."""
 
     def __init__(self, capped: Sequence[CappedParam]) -> None:
         for c in capped:
@@ -65,8 +94,8 @@ class SpectralCap:
             matrices = local_tensor(c.param)
             if matrices.numel() == 0:  # a rank holding no matrix of an unevenly sharded stack
                 continue
-            sigma = torch.linalg.matrix_norm(matrices.float(), ord=2)  # (...,): one per matrix
-            scale = (c.bound / sigma).clamp(max=1.0)
+            sigma, slack = spectral_norm_bound(matrices)  # (...,): one per matrix
+            scale = (c.bound * (1 + slack) / sigma).clamp(max=1.0)
             matrices.mul_(scale.to(matrices.dtype)[..., None, None])
             largest.append(sigma.max())
             rescaled.append((scale < 1).sum())
