@@ -105,9 +105,6 @@ class NormHistory:
         self._blocks = array("d")  # row-major: one row of len(labels) per step
         self._every_step_has_blocks = True
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
     def append(self, step: int, norm: float, blocks: dict[str, float] | None) -> None:
         """One step's global norm and its blocks' norms (``block_record``), or None without them."""
         self.steps.append(step)
