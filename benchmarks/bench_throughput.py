@@ -45,7 +45,7 @@ from megacpp.model.moe import MoE
 from megacpp.model.params import flops_per_token
 from megacpp.model.segments import document_segments
 from megacpp.optim import build_optimizers
-from megacpp.presets import preset
+from megacpp.presets import dense_of, preset
 from megacpp.runtime.device import peak_flops
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
@@ -319,9 +319,7 @@ def main() -> None:
         print(f"small: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
         return found
 
-    # small's per-kind learning rates name kinds AF has none of (an error at routing): dense keeps base rates
-    dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pattern="AF"),
-                                optim=dataclasses.replace(cfg.optim, lr_scale_by_kind=[]))
+    dense = dense_of(cfg)
     measure = {
         "anchors": lambda: bench_nanochat(args.batch, args.seq, args.iters, dev)
         + bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev),
