@@ -3,14 +3,19 @@
 
 Rows of the state are independent: h[i, :]_t = tanh(f_t h[i, :]_{t-1} W + k_t[i] v_t), so one program
 owns BLOCK_K rows of one (batch row, head) and loops over time with its state tile and W in registers;
-one launch per direction instead of a few per token. Each program writes its rows of every state; y
-(a sum over rows) goes to per-block partial buffers summed after the launch. The backward's loop only
-carries dL/dh back through time and stores dL/dp for every step; grad_v and grad_W (sums over rows,
-batch and time) are batched matmuls over it afterwards, off the sequential chain. No atomics anywhere,
-so results are deterministic. Everything is fp32; `tl.dot` runs as "tf32x3" (split-TF32 tensor-core
-products, fp32-equivalent accuracy) to match the reference's fp32 matmuls at tensor-core latency (see
-`_dot_precision`). Each step's inputs are loaded during the step before, so memory latency overlaps
-the chain, and a states gradient that is absent (training reads y only) is neither read nor zero-filled.
+one launch per direction instead of a few per token. Each program writes its rows of every state; y (a
+sum over rows) goes to per-block partial buffers summed after the launch. The backward's chain is dL/dh
+carried back through time; dL/dp of each step is used where it is made and never stored. Per step a
+program stores its rows' grad_q, grad_k and grad_f terms and its rows' share of grad_v (sum over rows of
+k dp, a partial per row block), and it accumulates grad_W's f_t h_{t-1}^T dp_t over its steps in
+registers, stored once at the end. Nothing on the chain reads these, so they can overlap it (on sm_90 at
+dv >= 64, though, Triton makes the grad_W product a wgmma that the step waits for). After the launch the
+partials are summed over row blocks (grad_v) and over row blocks and batch rows (grad_W), and grad_f
+over rows. No atomics anywhere, so results are deterministic. Everything is fp32; `tl.dot` runs as
+"tf32x3" (split-TF32 tensor-core products, fp32-equivalent accuracy) to match the reference's fp32
+matmuls at tensor-core latency (see `_dot_precision`). Each step's inputs are loaded during the step
+before, so memory latency overlaps the chain, and a states gradient that is absent (training reads y
+only) is neither read nor zero-filled.
 
 Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
 (`unsupported_reason` says why not; `with_fallback` sends such calls to the reference).
@@ -65,33 +70,33 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, states_pt
 
 
 @triton.jit
-def _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
-              gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr,
-              DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-              HAS_GS: tl.constexpr):
+def _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
+              gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows,
+              DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr, HAS_GS: tl.constexpr):
     """One step back through time given this block's tiles of h_t, h_{t-1}, dL/dh_t from the states
-    output (gs, when HAS_GS) and the token's q, v, f, dL/dy: stores dL/dp_t (p the pre-activation) and
-    the per-row sums of this block, returns dL/dh_{t-1} (before later steps add to it)."""
-    rows = kb * BLOCK + tl.arange(0, BLOCK)
+    output (gs, when HAS_GS) and the token's q, k, v, f, dL/dy. With dp = dL/dp_t (p the pre-activation)
+    it stores the per-row sums of this block and its rows' share of grad_v, and returns dL/dh_{t-1}
+    (before later steps add to it) and gw plus this step's f_t h_{t-1}^T dp."""
     cols = tl.arange(0, DV)
     if HAS_GS:
         carry += gs
     carry += q[:, None] * gy[None, :]
     dp = carry * (1.0 - h * h)
     back = tl.dot(dp, w_t, input_precision=PRECISION)  # dL/dh_{t-1} / f_t
-    tl.store(dp_ptr + step * DK * DV + rows[:, None] * DV + cols[None, :], dp)
-    # Sums along a row stay inside this program; sums over rows and time (grad_v, grad_W) are batched
-    # matmuls over the stored dp after the launch, off the sequential chain.
+    # Only `back` feeds the next step; nothing on the chain reads the rest, and dp is never stored:
+    # sums over rows (grad_v, grad_W) are this block's partials, added up after the launch.
+    gw = tl.dot(tl.trans(f * h_prev), dp, gw, input_precision=PRECISION)
+    tl.store(gv_part_ptr + tok * DV + cols, tl.sum(k[:, None] * dp, axis=0))
     tl.store(gq_ptr + tok * DK + rows, tl.sum(h * gy[None, :], axis=1))
     tl.store(gk_ptr + tok * DK + rows, tl.sum(dp * v[None, :], axis=1))
     # sum(dp * (h_prev W)) = sum(h_prev * (dp W^T)): reuses `back` instead of a second matmul.
     tl.store(gf_rows_ptr + tok * DK + rows, tl.sum(h_prev * back, axis=1))
-    return f * back
+    return f * back, gw
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
-                gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, gh0_ptr, T, H, B,
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
+                gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, gw_part_ptr, gh0_ptr, T, H, B,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                 HAS_GS: tl.constexpr):
     b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -100,6 +105,9 @@ def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
     tile = rows[:, None] * DV + cols[None, :]
     w_t = tl.load(w_ptr + hd * DV * DV + cols[None, :] * DV + cols[:, None])  # W^T
     carry = tl.zeros((BLOCK, DV), dtype=tl.float32)  # dL/dh_t from later steps
+    gw = tl.zeros((DV, DV), dtype=tl.float32)  # this block's share of grad_W, summed over its steps
+    # This block's (b, t, H, dv) slice of the grad_v partials; int64: past int32 at large b * t.
+    gv_part_ptr += tl.cast(kb, tl.int64) * T * H * B * DV
     # Everything step ti reads is loaded during step ti + 1 (h_{ti-1} of one step is h of the next):
     # memory latency then overlaps the math instead of lengthening the sequential chain.
     last = tl.cast(T - 1, tl.int64)
@@ -110,8 +118,9 @@ def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
     if HAS_GS:
         gs = tl.load(gs_ptr + step * DK * DV + tile)
     h_prev = tl.load(states_ptr + ((tl.maximum(last - 1, 0) * H + hd) * B + b) * DK * DV + tile)
-    q, v = tl.load(q_ptr + tok * DK + rows), tl.load(v_ptr + tok * DV + cols)
-    f, gy = tl.load(f_ptr + tok), tl.load(gy_ptr + step * DV + cols)
+    q, k = tl.load(q_ptr + tok * DK + rows), tl.load(k_ptr + tok * DK + rows)
+    v, f = tl.load(v_ptr + tok * DV + cols), tl.load(f_ptr + tok)
+    gy = tl.load(gy_ptr + step * DV + cols)
     for i in range(T - 1):  # steps T-1 .. 1; step 0 reads h0 (after the loop)
         ti = last - i
         step_n = ((ti - 1) * H + hd) * B + b
@@ -120,15 +129,18 @@ def _bwd_kernel(q_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
         gs_n = gs
         if HAS_GS:
             gs_n = tl.load(gs_ptr + step_n * DK * DV + tile)
-        q_n, v_n = tl.load(q_ptr + tok_n * DK + rows), tl.load(v_ptr + tok_n * DV + cols)
-        f_n, gy_n = tl.load(f_ptr + tok_n), tl.load(gy_ptr + step_n * DV + cols)
-        carry = _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
-                          gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK, PRECISION, HAS_GS)
-        h, h_prev, gs, q, v, f, gy, tok, step = h_prev, h_prev_n, gs_n, q_n, v_n, f_n, gy_n, tok_n, step_n
+        q_n, k_n = tl.load(q_ptr + tok_n * DK + rows), tl.load(k_ptr + tok_n * DK + rows)
+        v_n, f_n = tl.load(v_ptr + tok_n * DV + cols), tl.load(f_ptr + tok_n)
+        gy_n = tl.load(gy_ptr + step_n * DV + cols)
+        carry, gw = _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
+                              gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows, DK, DV, PRECISION, HAS_GS)
+        h, h_prev, gs, q, k, v, f, gy, tok = h_prev, h_prev_n, gs_n, q_n, k_n, v_n, f_n, gy_n, tok_n
     h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
-    carry = _bwd_step(carry, h, h_prev, gs, w_t, q, v, f, gy, tok, step, kb,
-                      gq_ptr, gk_ptr, gf_rows_ptr, dp_ptr, DK, DV, BLOCK, PRECISION, HAS_GS)
+    carry, gw = _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
+                          gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows, DK, DV, PRECISION, HAS_GS)
     tl.store(gh0_ptr + (hd * B + b) * DK * DV + tile, carry)
+    n_blocks = tl.num_programs(2)
+    tl.store(gw_part_ptr + ((b * H + hd) * n_blocks + kb) * DV * DV + cols[:, None] * DV + cols[None, :], gw)
 
 
 def unsupported_reason(tensors: tuple[Tensor, ...], dk: int, dv: int, b: int, t: int) -> str | None:
@@ -163,7 +175,10 @@ def _dot_precision(device: torch.device) -> str:
 
 def _num_warps(dv: int) -> int:
     # The (dv x dv) W tile held in registers wants ~32 fp32 values per thread at most: 4 warps up to
-    # 64 x 64, 8 beyond.
+    # 64 x 64, 8 beyond. The backward's grad_W accumulator is a second such tile and it keeps 4 warps
+    # anyway (a reasoned guess, not timed yet): compiled for sm_90 at dv = 64 it spills only 4 local
+    # loads per step inside the time loop (none at 8 warps), while 8 warps made the backward without
+    # the accumulator 14% slower on an H200 (BENCHMARKS.md).
     return 4 if dv * dv <= 4096 else 8
 
 
@@ -191,20 +206,18 @@ def scan_bwd_triton(
     b, t, n_heads, dk, dv = _check((q, k, v, f, W, h0, states, grad_y, grad_states), q, v)
     grad_q, grad_k, grad_h0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(h0)
     grad_f_rows = torch.empty_like(q)  # (b, t, H, dk): grad_f before the sum over rows
-    grad_pre = torch.empty_like(states)  # dL/dp for every step, (t, H, b, dk, dv)
+    n_blocks = dk // BLOCK_K
+    # Per-block partials of the sums over rows, added up below in a fixed order (no atomics):
+    # grad_v = k^T dp per token, grad_W = sum over (t, b, rows) of f_t h_{t-1}^T dp_t.
+    grad_v_part = q.new_empty(n_blocks, b, t, n_heads, dv)
+    grad_w_part = q.new_empty(b, n_heads, n_blocks, dv, dv)
     has_gs = grad_states.numel() > 0  # empty: no gradient reaches the states output (the usual case)
-    _bwd_kernel[(b, n_heads, dk // BLOCK_K)](q, v, f, W, h0, states, grad_y, grad_states,
-                                             grad_q, grad_k, grad_f_rows, grad_pre, grad_h0, t, n_heads, b,
-                                             DK=dk, DV=dv, BLOCK=BLOCK_K, PRECISION=_dot_precision(q.device),
-                                             HAS_GS=has_gs, num_warps=_num_warps(dv))
-    # grad_v[b, t, H] = k^T dp and grad_W[H] = sum over (t, b) of f_t h_{t-1}^T dp_t, as batched matmuls
-    # over (t, H): rows of b and dk are contracted together, so no operand needs a transposing copy.
-    k_thb = k.permute(1, 2, 0, 3).unsqueeze(-2)  # (t, H, b, 1, dk)
-    grad_v = torch.matmul(k_thb, grad_pre).squeeze(-2).permute(2, 0, 1, 3).contiguous()
-    scaled = grad_pre.mul_(f.permute(1, 2, 0)[..., None, None])  # f_t dp_t, in place: dp is done
-    grad_w = torch.matmul(states[:-1].flatten(2, 3).transpose(-1, -2), scaled[1:].flatten(2, 3)).sum(0)
-    grad_w += torch.matmul(h0.flatten(1, 2).transpose(-1, -2), scaled[0].flatten(1, 2))
-    return grad_q, grad_k, grad_v, grad_f_rows.sum(-1), grad_w, grad_h0
+    _bwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, states, grad_y, grad_states,
+                                        grad_q, grad_k, grad_f_rows, grad_v_part, grad_w_part, grad_h0,
+                                        t, n_heads, b, DK=dk, DV=dv, BLOCK=BLOCK_K,
+                                        PRECISION=_dot_precision(q.device), HAS_GS=has_gs,
+                                        num_warps=_num_warps(dv))
+    return grad_q, grad_k, grad_v_part.sum(0), grad_f_rows.sum(-1), grad_w_part.sum((0, 2)), grad_h0
 
 
 def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
