@@ -176,9 +176,10 @@ def _dot_precision(device: torch.device) -> str:
 def _num_warps(dv: int) -> int:
     # The (dv x dv) W tile held in registers wants ~32 fp32 values per thread at most: 4 warps up to
     # 64 x 64, 8 beyond. The backward's grad_W accumulator is a second such tile and it keeps 4 warps
-    # anyway (a reasoned guess, not timed yet): compiled for sm_90 at dv = 64 it spills only 4 local
-    # loads per step inside the time loop (none at 8 warps), while 8 warps made the backward without
-    # the accumulator 14% slower on an H200 (BENCHMARKS.md).
+    # anyway: compiled for sm_90 at dv = 64 it spills only 4 local loads per step inside the time loop
+    # (none at 8 warps), 8 warps made the backward before the accumulator 14% slower on an H200, and
+    # with it at 4 warps the R mixer takes 16.0 ms forward + backward against 17.9 before (8 warps
+    # not timed with it; BENCHMARKS.md).
     return 4 if dv * dv <= 4096 else 8
 
 
