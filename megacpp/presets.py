@@ -49,6 +49,10 @@ def small() -> Config:
     # shared expert + top-2 of 16, each 1024 wide: 3 x 2 x 768 x 1024 = 4.7M active, d12's MLP size
     m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 16, 2, 1024
     m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 6, 64, 64
+    # At 8192 tokens on an H200 the R blocks' backward spiked to 2.2e4 without the cap and stayed <= 10
+    # with it, at the same bits/byte per token (0.460 vs 0.465 at 15M tokens) and ~1% step time
+    # (BENCHMARKS.md, issue 13).
+    m.rnn.w_spectral_cap = 1.0
     m.ffn.hidden = 3072
     cfg.data.seq_len = 2048
     cfg.train.batch_size = 16
