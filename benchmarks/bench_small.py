@@ -37,6 +37,8 @@ def run_variant(name: str, args: argparse.Namespace, extra: list[str], env: dict
     cmd += ["train", "--preset", args.preset, "--no-progress", f"--train.steps={args.steps}",
             f"--train.out_dir={out}", "--train.log_every=1", f"--train.eval_every={args.steps}",
             f"--train.ckpt_every={args.steps}", "--train.sample_tokens=16", "--train.tensorboard=false",
+            # A variant's directory left by an earlier (or killed) call is started over, not refused.
+            "--train.overwrite=true",
             *(f"--{kv}" for kv in args.set), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
