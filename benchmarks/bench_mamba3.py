@@ -91,15 +91,15 @@ def relative_errors(got: dict, ref: dict) -> dict[str, float]:
     return {k: ((got[k].double() - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
 
 
-def check(args: argparse.Namespace, dev: torch.device) -> None:
-    h, p, n = SMALL.expand * args.d_model // SMALL.head_dim, SMALL.head_dim, SMALL.d_state
+def check(args: argparse.Namespace, dev: torch.device, cfg: Mamba3Config) -> None:
+    h, p, n = cfg.expand * args.d_model // cfg.head_dim, cfg.head_dim, cfg.d_state
     na = n // 4  # rope_fraction 0.5: half the state dimensions rotate, in pairs
-    b, t, chunk = args.check_batch, args.check_seq, SMALL.chunk_size
+    b, t, chunk = args.check_batch, args.check_seq, cfg.chunk_size
     print(f"check: B{b} x T{t}, {h} heads x {p}, d_state {n}, {na} angles, chunk {chunk}, "
           f"documents of {args.doc_len} tokens, initial state")
     for label, act, mm, bound in (("fp32 inputs, fp32 matmuls", torch.float32, None, F32_BOUND),
                                   ("bf16 x/z, bf16 matmuls", torch.bfloat16, torch.bfloat16, BF16_BOUND)):
-        inp, state, doc_ids, cot = scan_inputs(b, t, h, SMALL.n_groups, p, n, na, args.doc_len, dev, act)
+        inp, state, doc_ids, cot = scan_inputs(b, t, h, cfg.n_groups, p, n, na, args.doc_len, dev, act)
         exact = results("reference", inp, state, doc_ids, cot, chunk, None, torch.float64)
         print(f"  {label} (bound {bound:.1e} of max |float64 reference|):")
         for kernel in ("reference", "triton"):
@@ -124,13 +124,16 @@ def main() -> None:
     p.add_argument("--check-seq", type=int, default=1000)
     p.add_argument("--doc-len", type=int, default=300, help="document length of the doc_ids rows")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--chunk-size", type=int, default=SMALL.chunk_size,
+                   help="the scan's chunk (both implementations; the Triton kernels take 16, 32, 64 or 128)")
     p.add_argument("--only", nargs="*",
                    help="time only the megacpp variants whose name contains one of these words "
                         "(the mamba_ssm anchor always runs when it imports)")
     args = p.parse_args()
     dev = torch.device("cuda")
+    cfg = dataclasses.replace(SMALL, chunk_size=args.chunk_size)
     if not args.skip_check:
-        check(args, dev)
+        check(args, dev, cfg)
 
     d, b, t = args.d_model, args.batch, args.seq
     x = torch.randn(b, t, d, device=dev, requires_grad=True)
@@ -155,20 +158,21 @@ def main() -> None:
     for name, kernel, matmuls, docs, compiled in VARIANTS:
         if not wanted(name):
             continue
-        cfg = dataclasses.replace(SMALL, scan_kernel=kernel, scan_matmuls=matmuls)
         torch.manual_seed(0)
-        run(f"M {name}", Mamba3(d, cfg, 0), segments if docs else None, compiled)
+        variant = dataclasses.replace(cfg, scan_kernel=kernel, scan_matmuls=matmuls)
+        run(f"M {name}", Mamba3(d, variant, 0), segments if docs else None, compiled)
     peer = "mamba_ssm Mamba3 (Triton), eager"
     try:
         from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
     except Exception as exc:  # the peer is optional: say why it is missing
         print(f"{peer}: not timed, {type(exc).__name__}: {exc}", file=sys.stderr)
     else:  # the anchor: timed whatever --only selects, so every call measures its ratio to it
+        # The anchor stays at small's own sizes (chunk 64) whatever --chunk-size asks of megacpp's scans.
         run(f"M {peer}", PeerMamba3(**config_to_mamba_ssm(d, SMALL), device=dev), None, False)
 
     tokens = b * t
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | M mixer d_model {d}, B{b} x T{t}, "
-          "bf16 autocast, fwd+bwd")
+          f"chunk {cfg.chunk_size}, bf16 autocast, fwd+bwd")
     print(f"{'variant':<52}{'ms':>9}{'Mtok/s':>9}{'breaks':>8}{'peak GiB':>10}")
     for name, ms, breaks, peak in rows:
         print(f"{name:<52}{ms:>9.2f}{tokens / ms / 1e3:>9.2f}{breaks:>8}{peak:>10.1f}")
