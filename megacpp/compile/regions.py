@@ -6,9 +6,10 @@ the batch-marking hook below (and FSDP2's hooks) run eagerly, and state_dict key
 Blocks of one class share one code object, hence one Dynamo cache: identical blocks reuse one graph,
 and each distinct variant (mixer type, engram on/off) is one more cache entry under the recompile cap.
 
-``blocks`` mode also compiles the methods a model names in its ``head_regions`` class attribute (the
-hybrid's ``loss``: final norm, LM head, soft-cap, cross-entropy, MTP heads) as one region each,
-replaced on the instance like ``forward``; the code between the regions stays eager.
+``blocks`` mode also compiles the methods a model names in its ``method_regions`` class attribute (the
+hybrid's ``segments``: documents and attention mask, once per forward; its ``loss``: final norm, LM
+head, soft-cap, cross-entropy, MTP heads) as one region each, replaced on the instance like
+``forward``; the code between the regions stays eager.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
     """Compile `model` in place per ``cfg.mode`` and return a handle; applies the policy first.
 
     ``blocks`` compiles each module of ``model.blocks`` (an ``nn.ModuleList``) and each method the
-    model names in ``head_regions``; ``model`` compiles the whole forward; ``none`` compiles nothing.
+    model names in ``method_regions``; ``model`` compiles the whole forward; ``none`` compiles nothing.
     With ``cfg.dynamic_batch`` the batch axis of every region's inputs is marked dynamic until
     `CompiledModel.end_warmup` is called.
     """
@@ -131,7 +132,7 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise ValueError("compile mode 'blocks' needs a non-empty nn.ModuleList at model.blocks")
         handle.regions = [Region(f"blocks.{i}", block) for i, block in enumerate(blocks)]
-        handle.regions += [Region(name, model, name) for name in getattr(model, "head_regions", ())]
+        handle.regions += [Region(name, model, name) for name in getattr(model, "method_regions", ())]
     else:
         handle.regions = [Region("", model)]
     for region in handle.regions:

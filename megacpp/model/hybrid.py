@@ -73,7 +73,7 @@ class HybridLM(nn.Module):
     # (megacpp.compile.regions). `segments`: the attention mask is built compiled exactly when the
     # attention blocks run compiled, so it takes the kind they would pick (`Attention.attention_mask_kind`)
     # and FlexAttention's block layout fuses; `loss`: the head's large (b, t, vocab) intermediates fuse.
-    head_regions: ClassVar[tuple[str, ...]] = ("segments", "loss")
+    method_regions: ClassVar[tuple[str, ...]] = ("segments", "loss")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -118,7 +118,7 @@ class HybridLM(nn.Module):
 
     def segments(self, idx: Tensor, doc_ids: Tensor | None = None) -> Segments:
         """The batch's document structure and its attention mask, computed once per forward and read by
-        every layer. A compiled region of its own in ``blocks`` mode (`head_regions`)."""
+        every layer. A compiled region of its own in ``blocks`` mode (`method_regions`)."""
         return segments_of(doc_ids, idx.shape[1], idx.device, self._mask_kind(idx.device, doc_ids is not None))
 
     def _mask_kind(self, device: torch.device, has_documents: bool) -> MaskKind:
@@ -156,7 +156,7 @@ class HybridLM(nn.Module):
 
     def loss(self, h: Tensor, targets: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """The training loss from the last hidden state: final norm, LM head, soft-cap, cross-entropy,
-        plus the weighted loss of the MTP heads. One compiled region in ``blocks`` mode (`head_regions`)."""
+        plus the weighted loss of the MTP heads. One compiled region in ``blocks`` mode (`method_regions`)."""
         loss = F.cross_entropy(self.logits(h).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         if len(self.mtp) > 0:
             loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, segments.index)

@@ -4,7 +4,7 @@ It has what matters to compile: ``model.blocks`` (an ``nn.ModuleList`` of residu
 ``kind``, ``norm``, ``mixer``, ``engram``), one mixer class per pattern symbol (A attention with
 document masking, M and R pure-PyTorch scans that reset at document starts, E a top-k MoE with static
 dense dispatch and routing statistics in non-persistent buffers, F a relu^2 MLP), ``doc_ids``, and a
-loss when ``targets`` are given, computed by a ``loss`` method named in ``head_regions`` as the
+loss when ``targets`` are given, computed by a ``loss`` method named in ``method_regions`` as the
 hybrid's is. Its numerics are not the real mixers'; its compile surface is.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Block(nn.Module):
 
 
 class StandInLM(nn.Module):
-    head_regions = ("loss",)  # as HybridLM: `blocks` mode compiles the loss head as a region of its own
+    method_regions = ("loss",)  # as HybridLM: `blocks` mode compiles the loss head as a region of its own
 
     def __init__(self, pattern: str = "AMERF", vocab: int = 64, d_model: int = 32) -> None:
         super().__init__()
