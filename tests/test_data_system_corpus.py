@@ -130,3 +130,14 @@ def test_system_is_a_config_value_and_typos_are_errors():
     assert cfg.data.corpus == ["a", "b"]
     with pytest.raises(ConfigError, match="data.corpus"):
         load_config("tiny", None, [("data.corpus", "systen")])
+
+
+def test_tier1_summary_prints_a_tree_name_that_is_not_utf8(machine):
+    """A package directory whose name is not UTF-8 (os.fsdecode keeps its byte as a lone surrogate)
+    must not make the summary unprintable on a strict UTF-8 stdout: the byte is shown escaped."""
+    site = machine["site"]
+    write(site / os.fsdecode(b"p\xe9kg") / "include/weird.h", code("weird"))
+    corpus = discover_corpus(DataConfig(corpus="system", min_bytes=1, val_fraction=0.0), system=trees_of(machine))
+    summary = corpus.summary()
+    assert summary.encode("utf-8").decode("utf-8") == summary  # no lone surrogate left in it
+    assert "site-packages/p\\xe9kg/include 1 files -> 1 docs" in summary

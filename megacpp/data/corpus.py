@@ -76,9 +76,16 @@ class Corpus:
         )
         if not self.sources and not self.unreadable_trees:
             return line
-        trees = "; ".join(f"{s.name} {s.files} files -> {s.docs} docs {s.nbytes / 1e6:.1f} MB" for s in self.sources)
-        unreadable = f" ({', '.join(self.unreadable_trees)})" if self.unreadable_trees else ""
+        trees = "; ".join(f"{_printable(s.name)} {s.files} files -> {s.docs} docs {s.nbytes / 1e6:.1f} MB"
+                          for s in self.sources)
+        unreadable = f" ({', '.join(map(_printable, self.unreadable_trees))})" if self.unreadable_trees else ""
         return f"{line}\nsources: {trees}; {len(self.unreadable_trees)} unreadable trees{unreadable}"
+
+
+def _printable(name: str) -> str:
+    """A tree's name as a printable line: a byte of a non-UTF-8 directory name (a lone surrogate after
+    os.fsdecode, which a strict UTF-8 stdout refuses to print) is shown escaped, e.g. ``p\\xe9kg``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 @dataclass
