@@ -22,8 +22,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from run_dirs import parse_run_arg, run_metrics  # noqa: E402
 
-from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics  # noqa: E402
+from megacpp.train.metrics import BASELINE_LINES, baselines_of  # noqa: E402
 
 
 @dataclass
@@ -41,14 +42,17 @@ class Run:
 
 
 def load_run(arg: str) -> Run:
-    label, _, path = arg.rpartition("=")
-    path = Path(path)
-    records = read_metrics(path / "metrics.jsonl")
+    """The run named by `dir` or `label=dir`."""
+    return load_run_dir(*parse_run_arg(arg))
+
+
+def load_run_dir(label: str, path: Path) -> Run:
+    records = run_metrics(path)
     val = [r for r in records if r["kind"] == "val" and "tokens" in r and "elapsed_s" in r]
     if not val:
         raise SystemExit(f"{path}: no validation records with tokens and elapsed_s (a run before issue 13?)")
     first = [r["elapsed_s"] for r in records if r["kind"] == "train" and r["step"] == 1 and "elapsed_s" in r]
-    return Run(label or path.name, [r["tokens"] for r in val], [r["elapsed_s"] for r in val],
+    return Run(label, [r["tokens"] for r in val], [r["elapsed_s"] for r in val],
                [r["val_bpb"] for r in val], baselines_of(records), first[-1] if first else 0.0)
 
 
@@ -135,6 +139,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
     parser.add_argument("--out", type=Path, default=Path("quality.png"), help="PNG to write")
     args = parser.parse_args()
+    if not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: directory {args.out.parent} does not exist")
     print(report([load_run(arg) for arg in args.runs], args.out))
 
 

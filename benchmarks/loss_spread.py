@@ -19,15 +19,15 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from run_dirs import parse_run_arg, run_metrics, step_window
 
 from megacpp.train.grad_norms import median_block_norms, spike_starts
-from megacpp.train.metrics import read_metrics
 
 PART_PREFIX = "grad_norm_"  # the per-part norms of megacpp.train.grad_norms
 
 
 def spread(path: Path, first: int, last: int) -> dict[str, float]:
-    records = [r for r in read_metrics(path / "metrics.jsonl")
+    records = [r for r in run_metrics(path)
                if r["kind"] == "train" and first <= r["step"] <= last]
     if len(records) < 3:
         raise SystemExit(f"{path}: fewer than 3 training records in steps {first}..{last}")
@@ -80,11 +80,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run directories, optionally label=dir")
     parser.add_argument("--steps", default="100:300", help="first:last step of the window (inclusive)")
     args = parser.parse_args()
-    first, last = (int(x) for x in args.steps.split(":"))
-    rows = []
-    for arg in args.runs:
-        label, _, path = arg.rpartition("=")
-        rows.append((label or Path(path).name, spread(Path(path), first, last)))
+    first, last = step_window(args.steps, "--steps")
+    rows = [(label, spread(path, first, last)) for label, path in map(parse_run_arg, args.runs)]
     print(f"steps {first}..{last}")
     print(spread_table(rows))
 

@@ -1,0 +1,74 @@
+"""benchmarks/compare_quality.py, loss_spread.py and quality_study.py: the runs a user names, and
+mistakes in naming them, end in one line (SystemExit with a message), never a traceback; a mistake in
+any quality_study variant is reported before any variant trains."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The benchmark scripts importable as modules (they import each other by file name)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import compare_quality
+    import loss_spread
+    return {"compare": compare_quality, "spread": loss_spread}
+
+
+def write_run(path: Path, steps: int = 4) -> Path:
+    path.mkdir(parents=True)
+    records = [{"step": 0, "kind": "baselines", "unigram_bpb": 2.5, "xz_bpb": 0.9, "xz_given_train_bpb": 0.6}]
+    for s in range(1, steps + 1):
+        records.append({"step": s, "kind": "train", "loss": 5.0 - s / 8, "elapsed_s": float(s)})
+        records.append({"step": s, "kind": "val", "val_bpb": 3.0 - s / 16, "tokens": 64 * s, "elapsed_s": float(s)})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def one_line_exit(func, *args) -> str:
+    with pytest.raises(SystemExit) as info:
+        func(*args)
+    message = info.value.code
+    assert isinstance(message, str) and "\n" not in message
+    return message
+
+
+def test_tier1_missing_run_dir_or_metrics_is_one_line(bench, monkeypatch, tmp_path):
+    (tmp_path / "no_metrics").mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "metrics.jsonl").write_text('{"step": 1, "kind": "tra')  # killed mid-write
+    good = write_run(tmp_path / "good")
+    commands = [("compare_quality.py", bench["compare"].main, ["--out", str(tmp_path / "q.png")]),
+                ("loss_spread.py", bench["spread"].main, ["--steps", "1:4"])]
+    for script, main, options in commands:
+        for run, expected in ((tmp_path / "missing", "no such run directory"), (tmp_path / "no_metrics",
+                              "no metrics.jsonl"), (empty, "no complete record"), (truncated, "no complete record")):
+            monkeypatch.setattr(sys, "argv", [script, str(good), str(run), *options])
+            assert expected in one_line_exit(main)
+    assert not (tmp_path / "q.png").exists()
+
+
+def test_tier1_run_names_with_equals_signs(bench, tmp_path):
+    """A directory whose name holds '=' (a sweep's `lr=0.02`) with or without a label; a label with '='."""
+    run = write_run(tmp_path / "lr=0.02")
+    for arg, label in ((str(run), "lr=0.02"), (f"fast={run}", "fast"), (f"a=b={run}", "a=b"), (f"={run}", "lr=0.02")):
+        loaded = bench["compare"].load_run(arg)
+        assert (loaded.label, loaded.tokens, loaded.bpb) == (label, [64, 128, 192, 256], [2.9375, 2.875, 2.8125, 2.75])
+
+
+def test_tier1_bad_step_window_is_one_line(bench, monkeypatch, tmp_path):
+    run = write_run(tmp_path / "r")
+    for window in ("4", "a:b", "1:"):
+        monkeypatch.setattr(sys, "argv", ["loss_spread.py", str(run), "--steps", window])
+        assert "--steps" in one_line_exit(bench["spread"].main)
+
