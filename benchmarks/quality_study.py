@@ -26,8 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from compare_quality import load_run, report
+from compare_quality import load_run_dir, report
 from loss_spread import spread, spread_table
+from run_dirs import step_window
 
 # Beyond the budget: data preparation, the final evaluation, checkpoint and sample.
 SLACK_S = 300
@@ -68,6 +69,27 @@ def run_logged(label: str, cmd: list[str], log: Path, timeout_s: float | None) -
     return code == 0
 
 
+def parse_variants(variants: list[str]) -> list[tuple[str, list[str]]]:
+    """(label, train arguments) of each `label=arguments`, all checked before any run starts: a mistake
+    in the last variant must not surface after the others have trained. Labels name run directories,
+    so two that name the same one are refused too."""
+    parsed, dirs = [], {}
+    for variant in variants:
+        label, sep, rest = variant.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"variant {variant!r}: expected label=arguments")
+        try:
+            args = shlex.split(rest)
+        except ValueError as exc:
+            raise SystemExit(f"variant {variant!r}: {exc}") from None
+        run_dir = label.replace(" ", "_")
+        if run_dir in dirs:
+            raise SystemExit(f"variants {dirs[run_dir]!r} and {label!r} would train into the same directory {run_dir}")
+        dirs[run_dir] = label
+        parsed.append((label, args))
+    return parsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", help='label="megacpp train arguments"')
@@ -80,24 +102,22 @@ def main() -> None:
                         help="run each variant for 2 steps first, so no budget is spent compiling")
     parser.add_argument("--spread-steps", default="20:100000", help="first:last step of loss_spread's window")
     args = parser.parse_args()
+    variants = parse_variants(args.variants)
+    first, last = step_window(args.spread_steps, "--spread-steps")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.budget_s is not None:
         limit, timeout_s = ["--train.time_budget_s", str(args.budget_s)], args.budget_s + SLACK_S
     else:
         limit, timeout_s = ["--train.steps", str(args.steps)], None
     finished = []
-    for variant in args.variants:
-        label, sep, rest = variant.partition("=")
-        if not sep:
-            parser.error(f"variant {variant!r}: expected label=arguments")
+    for label, train_args in variants:
         if args.prewarm:
-            prewarm_variant(label, shlex.split(rest), args.out)
-        if run_variant(label, shlex.split(rest), args.out, limit, args.eval_every, timeout_s):
+            prewarm_variant(label, train_args, args.out)
+        if run_variant(label, train_args, args.out, limit, args.eval_every, timeout_s):
             finished.append((label, args.out / label.replace(" ", "_")))
     if not finished:
         raise SystemExit("no variant finished")
-    first, last = (int(x) for x in args.spread_steps.split(":"))
-    print(report([load_run(f"{label}={path}") for label, path in finished], args.out / "quality.png"))
+    print(report([load_run_dir(label, path) for label, path in finished], args.out / "quality.png"))
     print(f"\nloss spread, steps {first}..{last}")
     print(spread_table([(label, spread(path, first, last)) for label, path in finished]))
 

@@ -18,7 +18,8 @@ def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import compare_quality
     import loss_spread
-    return {"compare": compare_quality, "spread": loss_spread}
+    import quality_study
+    return {"compare": compare_quality, "spread": loss_spread, "study": quality_study}
 
 
 def write_run(path: Path, steps: int = 4) -> Path:
@@ -72,3 +73,19 @@ def test_tier1_bad_step_window_is_one_line(bench, monkeypatch, tmp_path):
         monkeypatch.setattr(sys, "argv", ["loss_spread.py", str(run), "--steps", window])
         assert "--steps" in one_line_exit(bench["spread"].main)
 
+
+def test_tier1_quality_study_refuses_bad_variants_before_training(bench, monkeypatch, tmp_path):
+    """Each of these used to train the first variant (a fake megacpp here) before failing on the second."""
+    trained = []
+    monkeypatch.setattr(bench["study"], "run_variant", lambda label, *a, **k: trained.append(label) or False)
+    out = tmp_path / "study"
+    cases = {
+        "expected label=arguments": ["ok=--preset tiny", "nolabel --preset tiny"],
+        "No closing quotation": ["ok=--preset tiny", "q=--preset 'tiny"],
+        "same directory": ["a b=--preset tiny", "a_b=--preset tiny"],
+        "--spread-steps": ["ok=--preset tiny", "--spread-steps", "20"],
+    }
+    for expected, variants in cases.items():
+        monkeypatch.setattr(sys, "argv", ["quality_study.py", "--out", str(out), "--steps", "2", *variants])
+        assert expected in one_line_exit(bench["study"].main)
+    assert trained == [] and not out.exists()
