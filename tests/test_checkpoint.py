@@ -4,11 +4,14 @@ import pytest
 import torch
 from torch import nn
 
+from megacpp.config import to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
+from megacpp.presets import preset
 from megacpp.runtime.checkpoint import (
     CheckpointError,
     check_compatible,
+    check_resume_settings,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -123,3 +126,39 @@ def test_incompatible_model_config_and_tokenizer(tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer"):
         check_compatible(meta, {"depth": 4}, "other", path)
     check_compatible(meta, {"depth": 4}, "abc", path)
+
+
+def _resume_meta(cfg) -> dict:
+    """A checkpoint's metadata as the trainer writes it, for check_resume_settings."""
+    return {"config": to_dict(cfg), "global_batch": cfg.train.batch_size, "world_size": 1}
+
+
+def test_tier1_resume_may_change_how_the_model_is_computed_not_what_it_is(tmp_path):
+    """Settings of how the model is computed or bounded (the spectral cap, the scan's operands, MoE
+    dispatch) may change on resume and are returned for the log; its shape or meaning may not."""
+    saved = preset("small")
+    saved.model.rnn.w_spectral_cap, saved.model.mamba.scan_matmuls = 0.0, "fp32"
+    now = preset("small")
+    now.model.moe.dispatch = "padded"
+    changed = check_resume_settings(_resume_meta(saved), to_dict(now), 1, tmp_path)
+    assert sorted(changed) == [("mamba.scan_matmuls", "fp32", "activation"), ("moe.dispatch", "auto", "padded"),
+                               ("rnn.w_spectral_cap", 0.0, 1.0)]
+    assert check_resume_settings(_resume_meta(now), to_dict(now), 1, tmp_path) == []
+    now.model.rnn.key_dim = 32
+    with pytest.raises(CheckpointError, match=r"model.rnn.key_dim: checkpoint 64 vs now 32"):
+        check_resume_settings(_resume_meta(saved), to_dict(now), 1, tmp_path)
+
+
+def test_tier1_a_setting_the_checkpoint_predates_is_its_default(tmp_path):
+    """A checkpoint written before a setting existed has no key for it: it trained with the behaviour
+    the setting's default keeps, so it is compared as that default (resumable or not)."""
+    cfg = preset("tiny")
+    meta = _resume_meta(cfg)
+    del meta["config"]["model"]["rnn"]["w_spectral_cap"], meta["config"]["model"]["mtp_depth"]
+    assert check_resume_settings(meta, to_dict(cfg), 1, tmp_path) == []
+    check_compatible(meta, to_dict(cfg.model), meta.get("tokenizer_hash"), tmp_path)
+    cfg.model.rnn.w_spectral_cap = 1.0
+    assert check_resume_settings(meta, to_dict(cfg), 1, tmp_path) == [("rnn.w_spectral_cap", 0.0, 1.0)]
+    cfg.model.mtp_depth = 1
+    with pytest.raises(CheckpointError, match=r"model.mtp_depth: checkpoint 0 vs now 1"):
+        check_resume_settings(meta, to_dict(cfg), 1, tmp_path)

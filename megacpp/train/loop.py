@@ -311,27 +311,32 @@ class Trainer:
             self._resume_looked_up = True
         return self._resume_from
 
-    def _check_resume_settings(self) -> None:
+    def _check_resume_settings(self) -> list[tuple[str, Any, Any]]:
         """Refuse a resume whose settings cannot continue the checkpoint's run, from the configuration
-        alone (megacpp.runtime.checkpoint.check_resume_settings); every rank raises the same error."""
+        alone (megacpp.runtime.checkpoint.check_resume_settings); every rank raises the same error.
+        Returns the resumable model settings that change, (key, checkpoint's, now)."""
         path = self._resume_checkpoint()
         if path is None:
-            return
-        error = None
+            return []
+        error, changed = None, []
         try:
-            check_resume_settings(read_meta(path), to_dict(self.cfg), self.ctx.world_size, path)
+            changed = check_resume_settings(read_meta(path), to_dict(self.cfg), self.ctx.world_size, path)
         except CheckpointError as exc:
             error = str(exc)
         first = next((e for e in self.ctx.all_gather_objects(error) if e is not None), None)
         if first is not None:
             raise CheckpointError(first)
+        return changed
 
     def resume(self) -> Path | None:
         path = self._resume_checkpoint()
         if path is None:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
-        self._check_resume_settings()  # again for a Trainer built without resume=True
+        changed = self._check_resume_settings()  # again for a Trainer built without resume=True
+        for key, saved, now in changed:
+            self.log(f"resuming with model.{key} = {now!r} (the checkpoint trained with {saved!r}): it changes how "
+                     "the model is computed or bounded, not its weights")
         check_compatible(read_meta(path), to_dict(self.cfg.model), self.data.tokenizer_hash, path,
                          self.cfg.data.seq_len)
         state, meta = dist_checkpoint.load(self.ctx, path, self.model, self.stack.moments())
