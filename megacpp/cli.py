@@ -69,8 +69,24 @@ def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
-    cfg, _sources = load_config(args.preset, args.config, _split_overrides(rest))
+    overrides = _split_overrides(rest)
+    args.override_keys = [key for key, _ in overrides]
+    cfg, _sources = load_config(args.preset, args.config, overrides)
     return cfg
+
+
+# What `eval` and `sample` take from the command line's configuration: where the checkpoint is and which
+# device runs it. Model, data and tokenizer are the checkpoint's own (its meta.json and tokenizer.json).
+CHECKPOINT_COMMAND_KEYS = ("train.out_dir", "train.device")
+
+
+def _check_checkpoint_overrides(command: str, args: argparse.Namespace) -> None:
+    """Refuse overrides a checkpoint command would silently ignore (e.g. --data.corpus on eval)."""
+    ignored = [key for key in getattr(args, "override_keys", []) if key not in CHECKPOINT_COMMAND_KEYS]
+    if ignored:
+        raise UsageError(f"{command}: --{ignored[0]} is not used: {command} rebuilds the model, data and "
+                         "tokenizer from the checkpoint's own config (its meta.json); only "
+                         f"{', '.join('--' + k for k in CHECKPOINT_COMMAND_KEYS)} apply")
 
 
 # ---------------------------------------------------------------- subcommands
@@ -119,6 +135,7 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.train.report import eval_summary
 
     _check_eval_args(args)
+    _check_checkpoint_overrides("eval", args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     bpb, baselines = session.evaluate(args.batches)
     print(eval_summary(bpb, baselines, session.checkpoint))
@@ -129,6 +146,7 @@ def cmd_sample(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.infer.session import load_session
 
     _check_sample_args(args)
+    _check_checkpoint_overrides("sample", args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     for piece in session.stream(args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
         sys.stdout.write(piece)

@@ -87,6 +87,18 @@ def test_missing_or_wrong_checkpoint_path_is_named(tmp_path, capsys, command):
     assert a_file.read_text() == "not a checkpoint" and not list(empty.iterdir())
 
 
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_tier1_settings_a_checkpoint_command_would_ignore_are_refused(run_dir, capsys, command):
+    """eval and sample rebuild model, data and tokenizer from the checkpoint: an override of those (here
+    --data.corpus, which eval used to drop silently) is one line naming it; the device still applies."""
+    before = snapshot(run_dir)
+    err = fails([command, "--checkpoint", str(run_dir), "--data.corpus", "system"], capsys, 2)
+    assert f"{command}: --data.corpus is not used" in err and "--train.out_dir, --train.device apply" in err
+    assert "--optim.muon_lr is not used" in fails([command, "--checkpoint", str(run_dir), "--optim.muon_lr", "0.01"],
+                                                capsys, 2)
+    assert snapshot(run_dir) == before
+
+
 def test_prompt_longer_than_the_context_names_both_lengths(run_dir, capsys):
     before = snapshot(run_dir)
     err = fails(["sample", "--checkpoint", str(run_dir), "--prompt", "int x; " * 80, "--tokens", "1"], capsys, 2)
@@ -99,7 +111,7 @@ def test_prompt_longer_than_the_context_names_both_lengths(run_dir, capsys):
 
 def test_valid_arguments_still_sample(run_dir, capsys):
     assert main(["sample", "--checkpoint", str(run_dir), "--prompt", "int ", "--tokens", "5",
-                 "--temperature", "0", "--top-k", "0"]) == 0
+                 "--temperature", "0", "--top-k", "0", "--train.device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("int ") and "<|" not in out
 
