@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = tok.add_parser("train", help="train the byte-level BPE tokenizer on the corpus", epilog=EPILOG_CONFIG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
-    p.add_argument("--out", type=Path, help="where to write tokenizer.json (default: the data cache)")
+    p.add_argument("--out", type=Path, help="directory for tokenizer.json, or a .json file path; an existing "
+                   "different file is never replaced (default: the data cache only)")
     p.set_defaults(func=cmd_tokenizer_train)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="action", required=True)
@@ -279,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
             "distributed environment and the determinism promise table")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--freeze", type=Path, metavar="FILE",
-                       help="write the exact environment (versions, GPUs, driver, every package, megacpp's commit)")
+                       help="write the exact environment (versions, GPUs, driver, every package, megacpp's commit); "
+                       "replaces only an earlier record")
     group.add_argument("--check", type=Path, metavar="FILE",
                        help="compare this environment with a --freeze record: every difference, exit 1 if any")
     add("params", cmd_params, "parameter table per block kind (total and active)")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megacpp.compile.versions import parse_version, public_version, torch_version
+from megacpp.errors import MegacppError, UsageError
 from megacpp.fs import atomic_write_text
 
 # Compiled packages megacpp may load through their Python APIs even when they do not declare torch.
@@ -227,9 +228,34 @@ def compare(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _check_freeze_target(path: Path) -> None:
+    """`--freeze` writes a new file or replaces an earlier record (what `read_freeze` accepts), nothing else."""
+    from megacpp.config import ConfigError
+
+    if path.is_dir():
+        raise UsageError(f"--freeze {path}: is a directory; expected a file path for the record, "
+                         f"e.g. {path / 'env.json'}")
+    if not path.parent.is_dir():
+        raise UsageError(f"--freeze {path}: {path.parent} is not an existing directory; "
+                         "create it or choose another path")
+    if path.exists() or path.is_symlink():
+        try:
+            read_freeze(path)
+        except ConfigError as exc:
+            raise UsageError(f"--freeze {path}: the file exists and is not an environment record written by "
+                             "`megacpp doctor --freeze`; not overwriting it "
+                             "(remove it or choose another path)") from exc
+
+
 def write_freeze(path: Path) -> dict[str, Any]:
+    """Record the environment in `path`: a new file, or an earlier record, which is replaced."""
+    _check_freeze_target(path)
+    path = path.resolve() if path.is_symlink() else path  # replace the record a link names, keep the link
     record = freeze()
-    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    try:
+        atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:  # the OS names the temporary beside `path`, not the path the user gave
+        raise MegacppError(f"--freeze {path}: cannot write it ({exc.strerror or exc})") from exc
     return record
 
 

@@ -104,3 +104,57 @@ def test_errors(corpus, tmp_path):
         train_tokenizer(corpus, 100, 1000, tmp_path / "t.json")
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         CodeTokenizer.from_file(Path(tmp_path / "none.json"))
+
+
+# ---------------------------------------------------------------- `megacpp tokenizer train --out`
+
+
+def _train_cli(tmp: Path, out: Path) -> list[str]:
+    corpus = tmp / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        for i in range(60):
+            (corpus / f"box{i}.hpp").write_text(SNIPPET.format(i=i))
+    return ["tokenizer", "train", "--preset", "tiny", "--out", str(out), "--data.corpus", f'["{corpus}"]',
+            "--data.cache_dir", str(tmp / "cache"), "--data.vocab_size", "300"]
+
+
+def _one_line_error(capsys, args: list[str], code: int = 2) -> str:
+    from megacpp.cli import main
+
+    assert main(args) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["", "my.json"])
+def test_tier1_tokenizer_train_out_never_replaces_a_users_file(tmp_path, capsys, name):
+    """`--out DIR` (its tokenizer.json) or `--out FILE.json`: an existing different file is kept, one line
+    names it; a byte-identical one (a repeated command) is left as it is and the command succeeds."""
+    from megacpp.cli import main
+
+    out_dir = tmp_path / "tokout"
+    out_dir.mkdir()
+    target = out_dir / (name or "tokenizer.json")
+    target.write_text("MY OWN FILE\n")
+    out = out_dir / name if name else out_dir
+    err = _one_line_error(capsys, _train_cli(tmp_path, out))
+    assert f"--out {out}: {target} already exists" in err and "choose another --out" in err
+    assert target.read_text() == "MY OWN FILE\n"
+    target.unlink()
+    assert main(_train_cli(tmp_path, out)) == 0
+    written = target.read_bytes()
+    assert main(_train_cli(tmp_path, out)) == 0 and target.read_bytes() == written
+    assert "already up to date" in capsys.readouterr().out
+
+
+def test_tier1_tokenizer_train_out_of_the_wrong_kind_is_one_line_naming_out(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    for out in (afile, afile / "x.json", tmp_path / "f.json" / "sub"):
+        (tmp_path / "f.json").write_text("{}")
+        err = _one_line_error(capsys, _train_cli(tmp_path, out))
+        assert f"--out {out}:" in err and "expected a directory or a .json file path" in err, err
+        assert ".tmp-" not in err
+    assert afile.read_text() == "keep me\n" and (tmp_path / "f.json").read_text() == "{}"

@@ -115,3 +115,29 @@ def test_doctor_prints_the_audit_section(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "environment audit" in out and "triton" in out and "Inductor autotuning" in out
+
+
+def test_tier1_freeze_replaces_only_an_earlier_record(tmp_path, capsys):
+    """`--freeze FILE` over a file that is not a record (notes, a config) refuses in one line and keeps it;
+    over an earlier record it writes the new one."""
+    notes = tmp_path / "notes.txt"
+    for text in ("notes\n", '{"packages_not": 1}\n', "[1, 2]\n"):
+        notes.write_text(text)
+        assert main(["doctor", "--freeze", str(notes)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"--freeze {notes}: the file exists and is not an environment record" in err
+        assert notes.read_text() == text
+    record = tmp_path / "env.json"
+    record.write_text(json.dumps({"packages": {"old": "1"}}))
+    assert main(["doctor", "--freeze", str(record)]) == 0
+    assert "old" not in json.loads(record.read_text())["packages"]
+
+
+def test_tier1_freeze_into_a_directory_or_a_missing_one_names_the_users_path(tmp_path, capsys):
+    for path, says in ((tmp_path, "is a directory"), (tmp_path / "nope" / "env.json", "is not an existing directory")):
+        assert main(["doctor", "--freeze", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--freeze {path}: " in err and says in err, err
+        assert ".tmp-" not in err
+    assert list(tmp_path.iterdir()) == []

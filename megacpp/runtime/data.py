@@ -14,6 +14,7 @@ from megacpp.data.loader import PackedLoader, ValBatch, ValLoader
 from megacpp.data.prepare import load_or_train_tokenizer, prepare_data
 from megacpp.data.shards import ShardSet
 from megacpp.data.tokenizer import CodeTokenizer
+from megacpp.errors import MegacppError, UsageError
 from megacpp.fs import atomic_write_bytes
 from megacpp.validate import validate_section
 
@@ -61,12 +62,52 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
                       prepared.baselines, rank, world_size)
 
 
+def _tokenizer_out(out: Path) -> Path:
+    """The file `tokenizer train --out` names: ``<out>/tokenizer.json`` for a directory (made if
+    missing), else ``out`` itself when it ends in .json; checked before any training."""
+    expected = "expected a directory or a .json file path"
+    if out.is_dir():
+        target = out / "tokenizer.json"
+    elif out.suffix == ".json":
+        target = out
+    elif out.exists() or out.is_symlink():
+        raise UsageError(f"--out {out}: an existing file that is not .json; {expected}")
+    else:
+        target = out / "tokenizer.json"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create directory {target.parent} "
+                         f"({exc.strerror or exc}); {expected}") from exc
+    if target.is_dir():
+        raise UsageError(f"--out {out}: {target} is a directory; {expected}")
+    return target
+
+
+def _copy_tokenizer(out: Path, target: Path, tok: CodeTokenizer) -> str:
+    """Copy tokenizer.json to `target`; an existing file there is kept unless it is byte-identical."""
+    data = Path(tok.path).read_bytes()
+    if target.exists() or target.is_symlink():
+        try:
+            same = target.read_bytes() == data
+        except OSError:
+            same = False
+        if same:
+            return f"{target} (already up to date)"
+        raise UsageError(f"--out {out}: {target} already exists and is not this tokenizer; not overwriting it "
+                         f"(remove it, or choose another --out; the trained tokenizer is at {tok.path})")
+    try:
+        atomic_write_bytes(target, data)
+    except OSError as exc:
+        raise MegacppError(f"--out {out}: cannot write {target} ({exc.strerror or exc})") from exc
+    return str(target)
+
+
 def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
-    """`megacpp tokenizer train`: train (or find cached) and optionally copy tokenizer.json to ``out``."""
+    """`megacpp tokenizer train`: train (or find cached) and optionally copy tokenizer.json to ``out``
+    (a directory, or a .json file path); a different existing file there is never replaced."""
     validate_section(cfg, "data")
+    target = _tokenizer_out(out) if out is not None else None
     tok = load_or_train_tokenizer(cfg, discover_corpus(cfg))
-    if out is not None:
-        out = out / "tokenizer.json" if out.suffix != ".json" else out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out, Path(tok.path).read_bytes())
-    return f"tokenizer {tok.hash[:12]}: vocab {tok.vocab_size}, {out or tok.path}"
+    where = _copy_tokenizer(out, target, tok) if out is not None and target is not None else tok.path
+    return f"tokenizer {tok.hash[:12]}: vocab {tok.vocab_size}, {where}"
