@@ -109,5 +109,5 @@ def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
     validate_section(cfg, "data")
     target = _tokenizer_out(out) if out is not None else None
     tok = load_or_train_tokenizer(cfg, discover_corpus(cfg))
-    where = _copy_tokenizer(out, target, tok) if out is not None and target is not None else tok.path
+    where = _copy_tokenizer(out, target, tok) if target is not None else tok.path
     return f"tokenizer {tok.hash[:12]}: vocab {tok.vocab_size}, {where}"
