@@ -92,9 +92,15 @@ class Interval:
         return above and below
 
     def describe(self) -> str:
+        low, high = _number(self.low), _number(self.high)
         if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _number(x: float) -> str:
+    """Integer bounds in full (2**64 - 1 as :g would read 1.84467e+19), others as :g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 AT_LEAST_1 = Interval(1)
@@ -103,6 +109,8 @@ POSITIVE = Interval(0, low_open=True)
 UNIT = Interval(0, 1)
 BELOW_1 = Interval(0, 1, high_open=True)  # decay rates and betas: 1 would never forget
 ABOVE_0_UNIT = Interval(0, 1, low_open=True)
+SEED_MAX = 2**64 - 1  # torch's manual_seed and Generator.manual_seed take an unsigned 64-bit seed
+SEED = Interval(0, SEED_MAX)
 
 RANGES: dict[str, Interval] = {
     "model.vocab_size": AT_LEAST_1,
@@ -174,7 +182,9 @@ RANGES: dict[str, Interval] = {
     "data.tokenizer_sample_bytes": AT_LEAST_1,
     "data.seq_len": AT_LEAST_1,
     "data.baseline_context_bytes": AT_LEAST_1,
+    "data.shuffle_seed": SEED,  # the loader's generator takes train.seed + shuffle_seed: see _seeds_sum
     "train.steps": AT_LEAST_1,
+    "train.seed": SEED,
     "train.time_budget_s": NON_NEGATIVE,  # 0 = no budget
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum": AT_LEAST_1,
@@ -417,6 +427,15 @@ def _sample_fits_decode_cache(k: _Keys) -> None:
                             "the longest attention cache the end-of-run sample can use")
 
 
+def _seeds_sum(k: _Keys) -> None:
+    """The data loader is seeded with train.seed + data.shuffle_seed: the sum, like each seed, must be an
+    unsigned 64-bit seed, the range every generator of a run takes."""
+    if k.value("train.seed") + k.value("data.shuffle_seed") > SEED_MAX:
+        raise k.error_among(("data.shuffle_seed", "train.seed"),
+                            f"train.seed + data.shuffle_seed seeds the data loader and must be <= {SEED_MAX} "
+                            "(2**64 - 1)")
+
+
 def _schedule_fits_run(k: _Keys) -> None:
     """Warmup plus decay must fit in train.steps; the optimizer refuses it otherwise, but only after the
     data work. The schedule's own constructor decides, so the two cannot disagree."""
@@ -464,7 +483,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "data": (_byte_limits, _extensions_dotted),
     "train": (_device_form, _micro_batch_divides),
     "optim": (_lr_scales_well_formed,),
-    "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _schedule_fits_run,
+    "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum, _schedule_fits_run,
          _lr_scales_name_used_kinds),
 }
 

@@ -62,6 +62,13 @@ def test_out_of_range_arguments_fail_before_loading(run_dir, capsys, args, messa
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_tier1_sample_seed_out_of_64_bit_range_is_one_line(run_dir, capsys, seed):
+    """torch.Generator.manual_seed overflowed on a seed >= 2**64 ("Overflow when unpacking long long")."""
+    err = fails(["sample", "--checkpoint", str(run_dir), "--tokens", "2", "--seed", seed], capsys, 2)
+    assert f"--seed {seed}: must be in [0, 18446744073709551615]" in err
+
+
 def test_invalid_prompt_bytes_from_a_real_command_line(tmp_path):
     """Bytes that are not UTF-8 reach sys.argv as lone surrogates (surrogateescape)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -234,3 +234,18 @@ def test_cli_config_file_that_is_a_directory_or_not_utf8(tmp_path, capsys):
     assert cli.main(["config", "--config", str(binary)]) == 2
     err = capsys.readouterr().err
     assert "not UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("overrides", "lead", "why"), [
+    ([("train.seed", "99999999999999999999")], "train.seed", "must be in [0, 18446744073709551615]"),
+    ([("train.seed", "-1")], "train.seed", "must be in [0, 18446744073709551615]"),
+    ([("data.shuffle_seed", "18446744073709551616")], "data.shuffle_seed", "must be in [0, 18446744073709551615]"),
+    ([("train.seed", str(2**64 - 1)), ("data.shuffle_seed", "1")], "data.shuffle_seed",
+     "train.seed + data.shuffle_seed seeds the data loader and must be <= 18446744073709551615"),
+])
+def test_tier1_seeds_are_unsigned_64_bit(overrides, lead, why):
+    """torch's manual_seed takes an unsigned 64-bit seed: a larger one passed the gate and died in torch."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=overrides)
+    assert str(err.value).startswith(f"command line --{lead}: ") and why in str(err.value)
+    load_config("tiny", overrides=[("train.seed", str(2**64 - 1))])  # the largest seed is fine
