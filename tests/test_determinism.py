@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from megacpp.model.hybrid import HybridLM
-from megacpp.runtime.generate import generate_tokens
+from megacpp.runtime.generate import generate_tokens, sample_next
 from megacpp.train.determinism import configure_mode, mode_report
 from megacpp.train.perturb import perturb_, perturbed, restore_
 from tests.fixtures.make_default_path import FIXTURE, pinned_config, pinned_run_in_child
@@ -97,6 +97,18 @@ def test_tier2_sampling_reproducible():
     assert run(5) != run(6)
     logits = model.forward_step(torch.tensor([[4]]), model.init_cache(1, 4))
     assert torch.isfinite(logits).all()
+
+
+def test_tier1_tiny_temperature_is_greedy_not_a_traceback():
+    """logits / 1e-40 overflows to inf and softmax to NaN: multinomial raised "probability tensor contains
+    either inf, nan or element < 0". Such a temperature is the greedy limit; normal ones still sample."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [4.0, -2.0, 1.0, 0.0]])
+    greedy = logits.argmax(dim=-1, keepdim=True)
+    for temperature in (1e-40, 1e-300):
+        got = sample_next(logits, temperature, 0, torch.Generator().manual_seed(0))
+        assert torch.equal(got, greedy)
+    expected = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_next(logits, 0.8, 0, torch.Generator().manual_seed(0)), expected)
 
 
 def test_bitwise_mode_is_error_not_warning_and_reported():

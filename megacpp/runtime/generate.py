@@ -10,10 +10,14 @@ from megacpp.model.hybrid import HybridLM
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator) -> Tensor:
-    """Sample one token per row from logits (b, V); temperature 0 is greedy."""
+    """Sample one token per row from logits (b, V); temperature 0 is greedy, and so is a temperature so
+    small that logits / temperature overflows (its limit): softmax of inf is NaN, which multinomial refuses."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    scaled = logits.float() / temperature
+    if not torch.isfinite(scaled).all() and torch.isfinite(logits).all():
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = scaled
     if 0 < top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
