@@ -112,6 +112,39 @@ def test_incomplete_directory_without_meta(tmp_path):
         load_checkpoint(path)
 
 
+def _format2_without(meta, key):
+    meta = {k: v for k, v in meta.items() if k not in ("meta_sha256", key)}
+    return {**meta, "format": 2}
+
+
+def _resealed_without_bytes(meta):
+    """A format-3 meta whose own checksum matches but whose file entry lost its keys."""
+    from megacpp.runtime.checkpoint import _meta_digest
+
+    meta = {**meta, "files": {**meta["files"], "model.safetensors": {}}}
+    return {**meta, "meta_sha256": _meta_digest(meta)}
+
+
+@pytest.mark.parametrize("reshape", [
+    lambda meta: [], lambda meta: None, lambda meta: "s", lambda meta: {"format": 2},
+    lambda meta: _format2_without(meta, "config"), lambda meta: _format2_without(meta, "files"),
+    lambda meta: {**_format2_without(meta, ""), "files": {"model.safetensors": {}}},
+    _resealed_without_bytes,
+], ids=["list", "null", "string", "format-only", "no-config", "no-files", "entry-without-bytes", "resealed"])
+def test_tier1_valid_json_of_the_wrong_shape_is_corrupt_metadata(tmp_path, reshape):
+    """meta.json that parses but is not the object readers index (AttributeError, KeyError 'files',
+    'config' or 'bytes' before) gets broken JSON's error, and resume skips it like broken JSON."""
+    path = _save(tmp_path, 1)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps(reshape(meta)))
+    with pytest.raises(CheckpointError, match=r"meta\.json: corrupt metadata \(") as err:
+        load_checkpoint(path)
+    assert "\n" not in str(err.value)
+    warnings = []
+    assert latest_valid_checkpoint(tmp_path, warn=warnings.append) is None
+    assert len(warnings) == 1 and "corrupt metadata" in warnings[0]
+
+
 def test_half_written_tmp_directory_is_ignored(tmp_path):
     _save(tmp_path, 1)
     (tmp_path / "checkpoints" / "step_00000009.tmp").mkdir()

@@ -163,13 +163,33 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path}: corrupt metadata ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: corrupt metadata (a JSON {type(meta).__name__}, expected an object)")
     if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
             f"{meta_path}: checkpoint format {meta.get('format')!r}, this megacpp reads {READABLE_FORMATS}"
         )
     if meta["format"] >= 3 and meta.get("meta_sha256") != _meta_digest(meta):
         raise CheckpointError(f"{meta_path}: edited or corrupt (its contents do not match its meta_sha256)")
+    problem = _meta_shape_problem(meta)
+    if problem:
+        raise CheckpointError(f"{meta_path}: corrupt metadata ({problem})")
     return meta
+
+
+def _meta_shape_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the keys readers index (files and their sizes and hashes, config), or None:
+    valid JSON of the wrong shape is corrupt metadata, like JSON that does not parse."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return f"'files' is {files!r}, expected an object of file entries"
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int
+                and isinstance(entry.get("sha256"), str)):
+            return f"files[{name!r}] is {entry!r}, expected {{\"bytes\": <int>, \"sha256\": <str>}}"
+    if not isinstance(meta.get("config"), dict):
+        return f"'config' is {meta.get('config')!r}, expected an object"
+    return None
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
