@@ -111,11 +111,14 @@ BELOW_1 = Interval(0, 1, high_open=True)  # decay rates and betas: 1 would never
 ABOVE_0_UNIT = Interval(0, 1, low_open=True)
 SEED_MAX = 2**64 - 1  # torch's manual_seed and Generator.manual_seed take an unsigned 64-bit seed
 SEED = Interval(0, SEED_MAX)
+MAX_DEPTH = 10_000  # blocks: far beyond any model trained here (nam52 has 52), far below a hang
 
 RANGES: dict[str, Interval] = {
     "model.vocab_size": AT_LEAST_1,
     "model.d_model": AT_LEAST_1,
-    "model.depth": AT_LEAST_1,
+    # The gate expands the pattern to depth as a Python string and the model builds one module per
+    # block: a depth beyond any real model overflowed (OverflowError) or hung there instead of failing.
+    "model.depth": Interval(1, MAX_DEPTH),
     "model.norm_eps": POSITIVE,
     "model.logit_softcap": NON_NEGATIVE,  # 0 = off
     "model.mtp_depth": NON_NEGATIVE,

@@ -249,3 +249,18 @@ def test_tier1_seeds_are_unsigned_64_bit(overrides, lead, why):
         load_config("tiny", overrides=overrides)
     assert str(err.value).startswith(f"command line --{lead}: ") and why in str(err.value)
     load_config("tiny", overrides=[("train.seed", str(2**64 - 1))])  # the largest seed is fine
+
+
+@pytest.mark.parametrize("depth", ["99999999999999999999", "10001"])
+def test_tier1_depth_has_an_upper_bound(depth):
+    """Expanding the pattern to depth 99999999999999999999 raised OverflowError in the gate itself."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=[("model.depth", depth)])
+    assert str(err.value).startswith(f"command line --model.depth: model.depth = {depth} must be in [1, 10000]")
+    load_config("tiny", overrides=[("model.depth", "10000")])
+
+
+def test_tier1_cli_config_with_a_huge_depth_is_one_line(capsys):
+    assert cli.main(["config", "--preset", "tiny", "--model.depth", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "must be in [1, 10000]" in err
