@@ -14,6 +14,7 @@ from megacpp.config import Config, ConfigError, dump_toml
 from megacpp.errors import Interrupted, MegacppError, UsageError
 from megacpp.presets import PRESETS
 from megacpp.run_config import load_config
+from megacpp.validate import SEED_MAX
 
 EPILOG_CONFIG = """\
 configuration:
@@ -123,8 +124,8 @@ def _check_sample_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 = all tokens)")
-    if not 0 <= args.seed <= 2**64 - 1:  # torch's generators take an unsigned 64-bit seed
-        raise UsageError(f"--seed {args.seed}: must be in [0, {2**64 - 1}] (an unsigned 64-bit seed)")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise UsageError(f"--seed {args.seed}: must be in [0, {SEED_MAX}] (an unsigned 64-bit seed)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach argv as lone surrogates
