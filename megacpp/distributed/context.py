@@ -101,20 +101,38 @@ class DistContext:
         """Destroy the process group (every exit path: a live group keeps peers waiting).
 
         ``orderly`` (every rank got here the same way, e.g. at the end of a run): first wait for all
-        ranks, so no rank tears its group down while a peer's last collective is still in flight (gloo
-        then aborts the peer at exit: 'terminate called without an active exception'). Never after a
-        failure: a peer may be stuck elsewhere, and the barrier would hang.
+        ranks, so no rank tears its group down while a peer's last collective is still in flight, and
+        afterwards until every rank has torn it down (gloo otherwise aborts a peer at exit: 'terminate
+        called without an active exception'). Never after a failure: a peer may be stuck elsewhere, and
+        the barrier would hang.
         """
         if self.distributed and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store() if orderly else None
             if orderly:
                 dist.barrier()
             dist.destroy_process_group()
+            if store is not None:
+                # gloo's barrier followed by teardown is racy (pytorch/gloo#155): a rank that leaves first
+                # closes its sockets while a peer is still tearing its pairs down, and the peer aborted
+                # ('terminate called without an active exception', ~1 in 8 two-rank CPU runs). Every rank
+                # waits here, on the job's store rather than gloo, until all have destroyed their group.
+                _store_barrier(store, "megacpp/closed", self.rank, self.world_size)
 
     def describe(self) -> str:
         if not self.distributed:
             return f"single process on {self.device}"
         return (f"rank {self.rank} of {self.world_size} (local rank {self.local_rank} on {self.host}), "
                 f"{self.device}, backend {self.backend}")
+
+
+def _store_barrier(store: Store, key: str, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
+    """Wait until every rank has set `key`/<rank> on the store; a peer that never does (it died) only
+    costs the timeout: an orderly exit never hangs on it."""
+    store.set(f"{key}/{rank}", "1")
+    try:
+        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError):
+        pass
 
 
 def torchrun_world(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:

@@ -46,7 +46,7 @@ def main() -> None:
     assert any(bias.abs().sum() > 0 for bias in biases), "the biases have moved (else equality is vacuous)"
     print(f"rank {ctx.rank} of {ctx.world_size}: {len(saved) if ctx.is_main else '-'} weights and "
           f"{len(moments)} moments identical to {path.name} PASS")
-    trainer.close()
+    trainer.close(orderly=True)  # every rank got here: leave the group together
 
 
 if __name__ == "__main__":
