@@ -51,7 +51,7 @@ MODES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.
          "bf16-mm": (torch.bfloat16, torch.bfloat16)}
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                  torch.int32: "i32"}
-KERNELS = ("fwd", "bwd_state", "bwd_chunk")
+KERNELS = ("fwd_state", "fwd_chain", "fwd_scan", "bwd_state", "bwd_chain", "bwd_chunk", "bwd_bc")
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,8 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                     why = problems(usage, max_shared, max_spill)
                 bad += bool(why)
                 meta = launch.meta
-                cols = (f"{preset:<7}{mode:<9}{name:<11}{str(launch.grid):>16}{meta['num_warps']:>6}{meta['PB']:>4}"
-                        f"{meta['KB']:>4}")
+                cols = (f"{preset:<7}{mode:<9}{name:<11}{str(launch.grid):>16}{meta['num_warps']:>6}"
+                        f"{meta.get('PB', '-'):>4}{meta.get('KB', '-'):>4}")
                 if usage is None:
                     print(f"{cols}  FAIL {why[0]}", file=out, flush=True)
                     continue

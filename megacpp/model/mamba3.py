@@ -39,9 +39,9 @@ class Mamba3Config:
     scan_matmuls: ScanMatmuls = "fp32"
     # Implementation of the fused scan (megacpp/ops/mamba3_fused.py): "auto" runs the Triton kernels on
     # CUDA tensors they support and the pure-PyTorch reference elsewhere (CPU always); "reference" and
-    # "triton" force one ("triton" fails where it cannot run). The default stays "reference" until the
-    # kernels beat it: at small's sizes on an H200 the compiled M sublayer took 25.2 ms with them and
-    # 14.2 ms with the reference (BENCHMARKS.md, issue-12 table).
+    # "triton" force one ("triton" fails where it cannot run). The library default stays "reference":
+    # the kernels are measured faster only with bf16 operands at `small`'s sizes (9.85 against 10.61 ms
+    # per compiled M mixer on an H200, BENCHMARKS.md), which is where `small` turns them on.
     scan_kernel: ScanKernel = "reference"
 
 

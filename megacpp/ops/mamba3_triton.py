@@ -21,21 +21,22 @@ a document start is a log-decay of -inf, which the kernels turn into a segment i
 starts so far in the chunk) and a zero log-decay: decay(t, s) = exp2(A_t - A_s) when s <= t in the same
 segment, else exactly 0 (masked to -inf before exp2, so nothing overflows and no inf meets inf).
 
-Resources: one program holds a few (L, L), (L, p) and (L, 2 KB) fp32 tiles in registers; the state
-dimension n is walked in blocks of 2 KB columns (`Tiling`), so n never sets the register footprint.
-The sequential kernels carry their (p, n) state through the buffer they store anyway (every chunk's
-entering state, read back from L2 by the same program after a barrier) instead of in registers, and
-split head_dim over the grid (state rows are independent). No software pipelining (num_stages 1):
-the chunk loop is a dependency chain, and pipelined copies were what overflowed shared memory.
-`benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and checks the budget.
+Every kernel that multiplies is chunk-parallel; the only sequential work, the chain of states over
+chunks, is elementwise (`_chain_kernel`: v <- qL v + what the chunk adds, one multiply-add per state
+entry and chunk). On an H200 at `small`'s sizes with bf16 operands this took the forward from 2.93 to
+1.10 ms against kernels that walked the chunks in order with the products on the chain (BENCHMARKS.md).
+The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
+columns are independent. No software pipelining in the multiplying kernels (num_stages 1).
+`benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
 
-Kernels:
-- `_fwd_kernel`, grid (heads, batch, head_dim blocks): walks the chunks in order; writes the gated
-  output, every chunk's entering state (fp32, for the backward) and the final state.
-- `_bwd_state_kernel`, grid (heads, batch, head_dim blocks): walks the chunks backwards carrying dL/dS
-  and writes it at every chunk boundary, and dL/d(initial state).
-- `_bwd_chunk_kernel`, grid (chunks, batch * heads): every other gradient of one chunk from its
-  entering state and the gradient of its exit state; chunks are independent here.
+Kernels (programs over chunks c, batch rows b, heads h; "state" = fp32 (p, n) per chunk boundary):
+- forward: `_fwd_state_kernel` (column block, c, b·h) stores what chunk c adds to the state; the
+  chain turns those slots into every chunk's entering state and the final state; `_fwd_scan_kernel`
+  (c, b·h) writes chunk c's gated output from its entering state.
+- backward: `_bwd_state_kernel` (column block, c, b·h) stores what chunk c adds to dL/dS on the way
+  back; the reverse chain turns them into dL/dS at every chunk's exit and dL/d(initial state);
+  `_bwd_chunk_kernel` (c, b·h) writes the gradients of x, z, the decays, σ, γ and D and stores
+  dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·h) writes dB, dC, dΘ and the biases' parts.
 Gradients of the group-shared B and C are written per head and summed over each group's heads in
 PyTorch afterwards, in a fixed order; the biases' and D's are per-chunk partials summed over batch and
 chunks the same way: no atomics anywhere, so every result is run-to-run deterministic.
@@ -141,73 +142,123 @@ def _store_transposed(ptr, row_off, cols, value_t, mask):
 
 
 @triton.jit
-def _fwd_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr, s0_ptr,
-    y_ptr, states_ptr, final_ptr,
+def _fwd_state_kernel(
+    x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, decay_ptr,
+    T, H, REP, NC,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (block of 2 KB state columns, chunk, batch row * head): what chunk c adds to the state,
+    Σ_t e_t σ_t x_t B_tᵀ (e: the decay from t to the chunk's end), stored in chunk c's slot of `states`
+    for `_chain_kernel`; the column-0 programs also store the chunk's whole decay qL."""
+    k0 = tl.program_id(0) * 2 * KB
+    c = tl.program_id(1)
+    pid = tl.program_id(2)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
+    gp = hd // REP
+    rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
+    pmask = rows_p < P
+    t = c * L + rows
+    valid = t < T
+    tok = (bi * T + t) * H + hd
+    _, _, _, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
+    if k0 == 0:
+        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
+    es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
+    x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, valid[:, None] & pmask[None, :])
+    cols = k0 + tl.arange(0, 2 * KB)
+    cmask = cols < N
+    cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+    br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols,
+                  valid[:, None] & cmask[None, :], cmask, L, KB)
+    # Transposed: x, the same for every column block, is the product's second operand.
+    _store_transposed(states_ptr, ((bi * H + hd) * NC + c) * P * N + rows_p * N, cols,
+                      _dot(tl.trans(br * es[:, None]), x, MM, PREC), pmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _chain_kernel(slots_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
+                  REVERSE: tl.constexpr):
+    """Program (batch row * head, block of BLOCK state entries): a state's chain over the chunks,
+    elementwise. Slot c holds what chunk c adds; it is replaced by the value entering chunk c and the
+    chain goes on as v ← qL(c) v + that, from `start` (or zero) to `end`. Forward (the state): in chunk
+    order, entering = before the chunk. REVERSE (dL/dstate): from the last chunk down, entering = the
+    gradient of the chunk's exit state. The only sequential work is one multiply-add per entry and
+    chunk; the products that fill the slots run chunk-parallel."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < PN
+    if HAS_START:
+        v = tl.load(start_ptr + bh * PN + offs, mask=mask, other=0.0)
+    else:
+        v = tl.zeros((BLOCK,), dtype=tl.float32)
+    slots = slots_ptr + bh * NC * PN + offs
+    decays = decay_ptr + bh * NC
+    first = NC - 1 if REVERSE else 0
+    added = tl.load(slots + first * PN, mask=mask, other=0.0)
+    for i in range(NC):
+        c = NC - 1 - i if REVERSE else i
+        # The next chunk's slot is loaded before this one is written: one load always in flight, so the
+        # chain waits on memory latency once, not once per chunk.
+        after = c - 1 if REVERSE else c + 1
+        upcoming = tl.load(slots + after * PN, mask=mask & (offs * 0 + i + 1 < NC), other=0.0)
+        tl.store(slots + c * PN, v, mask=mask)
+        v = tl.load(decays + c) * v + added
+        added = upcoming
+    tl.store(end_ptr + bh * PN + offs, v, mask=mask)
+
+
+@triton.jit
+def _fwd_scan_kernel(
+    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr, states_ptr, y_ptr,
     T, H, REP, NC,
     sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
-    MM: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (head, batch row, block of PB state rows): the chunks in order. Chunk c reads its entering
-    state from `states` (stored there by this program at chunk c - 1) block by block and stores the
-    exit state as chunk c + 1's, so only one block of 2 KB state columns is in registers at a time."""
-    hd = tl.program_id(0)
-    bi = tl.program_id(1).to(tl.int64)
-    rows_p = tl.program_id(2) * PB + tl.arange(0, PB)
+    """Program (chunk, batch row * head): the gated output of chunk c from the state entering it,
+    y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x (W: decays, σ below the diagonal, γ on it), times silu(z);
+    chunks are independent here. The state dimension is walked in blocks of 2 KB columns."""
+    c = tl.program_id(0)
+    pid = tl.program_id(1)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
     gp = hd // REP
     rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
     pmask = rows_p < P
-    Dh = tl.load(D_ptr + hd).to(tl.float32)
-    bh = bi * H + hd
-    first = bh * NC * P * N + rows_p * N  # chunk 0's entering state, this program's rows
+    t = c * L + rows
+    valid = t < T
+    tok = (bi * T + t) * H + hd
+    vmask_p = valid[:, None] & pmask[None, :]
+    state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
+    cb = tl.zeros((L, L), dtype=tl.float32)
+    readout = tl.zeros((L, PB), dtype=tl.float32)
     for k0 in range(0, N, 2 * KB):
         cols = k0 + tl.arange(0, 2 * KB)
-        smask = pmask[:, None] & (cols < N)[None, :]
-        if HAS_INIT:
-            s = _load_rows(s0_ptr, bh * P * N + rows_p * N, cols, smask)
-        else:
-            s = tl.zeros((PB, 2 * KB), dtype=tl.float32)
-        tl.store(states_ptr + first[:, None] + cols[None, :], s, mask=smask)
-    for c in range(NC):
-        tl.debug_barrier()  # the entering state, stored by other threads of this program, is visible
-        t = c * L + rows
-        valid = t < T
-        tok = (bi * T + t) * H + hd  # (b, t, h) index
-        vmask_p = valid[:, None] & pmask[None, :]
-        A, seg, q, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-        sig = tl.load(sig_ptr + tok, mask=valid, other=0.0)
-        es = e * sig
-        x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
-        enter = first + c * P * N
-        cb = tl.zeros((L, L), dtype=tl.float32)
-        readout = tl.zeros((L, PB), dtype=tl.float32)
-        for k0 in range(0, N, 2 * KB):
-            cols = k0 + tl.arange(0, 2 * KB)
-            cmask = cols < N
-            vmask_n = valid[:, None] & cmask[None, :]
-            smask = pmask[:, None] & cmask[None, :]
-            cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-            cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
-                          L, KB)
-            s = _load_rows(states_ptr, enter, cols, smask)
-            readout += _dot(cr, tl.trans(s), MM, PREC)
-            br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
-                          L, KB)
-            cb += _dot(cr, tl.trans(br), MM, PREC)
-            # The exit state, transposed: x, the same for every block, is the product's second operand.
-            s_t = qL * tl.trans(s) + _dot(tl.trans(br * es[:, None]), x, MM, PREC)
-            if c + 1 < NC:
-                _store_transposed(states_ptr, enter + P * N, cols, s_t, smask)
-            else:
-                _store_transposed(final_ptr, bh * P * N + rows_p * N, cols, s_t, smask)
-        gam = tl.load(gam_ptr + tok, mask=valid, other=0.0)
-        scores = _decay_matrix(A, seg, rows) * tl.where(rows[:, None] > rows[None, :], sig[None, :],
-                                                        gam[None, :]) * cb
-        y = _dot(scores, x, MM, PREC) + q[:, None] * readout + Dh * x
-        z = _load_rows(z_ptr, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p)
-        y = y * z * tl.sigmoid(z)
-        tl.store(y_ptr + (tok * P)[:, None] + rows_p[None, :], y.to(y_ptr.dtype.element_ty), mask=vmask_p)
+        cmask = cols < N
+        vmask_n = valid[:, None] & cmask[None, :]
+        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+        cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
+                      L, KB)
+        s = _load_rows(states_ptr, state, cols, pmask[:, None] & cmask[None, :])
+        readout += _dot(cr, tl.trans(s), MM, PREC)
+        br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
+                      L, KB)
+        cb += _dot(cr, tl.trans(br), MM, PREC)
+    A, seg, q, _, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
+    sig = tl.load(sig_ptr + tok, mask=valid, other=0.0)
+    gam = tl.load(gam_ptr + tok, mask=valid, other=0.0)
+    scores = _decay_matrix(A, seg, rows) * tl.where(rows[:, None] > rows[None, :], sig[None, :],
+                                                    gam[None, :]) * cb
+    x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
+    y = _dot(scores, x, MM, PREC) + q[:, None] * readout + tl.load(D_ptr + hd).to(tl.float32) * x
+    z = _load_rows(z_ptr, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p)
+    y = y * z * tl.sigmoid(z)
+    tl.store(y_ptr + (tok * P)[:, None] + rows_p[None, :], y.to(y_ptr.dtype.element_ty), mask=vmask_p)
 
 
 @triton.jit
@@ -221,56 +272,40 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, gfinal_ptr,
-    gstates_ptr, ginit_ptr,
+    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, gstates_ptr, decay_ptr,
     T, H, REP, NC,
     sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
-    MM: tl.constexpr, PREC: tl.constexpr, HAS_GFINAL: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dL/dS_exit of chunk c, for every c, from dS_enter(c) = qL(c) dS_exit(c) + Σ_t q_t dy_t C_tᵀ; carried
-    through `gstates` like the forward carries S (same program layout)."""
-    hd = tl.program_id(0)
-    bi = tl.program_id(1).to(tl.int64)
-    rows_p = tl.program_id(2) * PB + tl.arange(0, PB)
+    """Program (block of 2 KB state columns, chunk, batch row * head): what chunk c adds to dL/dS on
+    its way back, Σ_t q_t dy_t C_tᵀ (q: the decay from the entering state to t), stored in chunk c's
+    slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL."""
+    k0 = tl.program_id(0) * 2 * KB
+    c = tl.program_id(1)
+    pid = tl.program_id(2)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
     gp = hd // REP
     rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
     pmask = rows_p < P
-    bh = bi * H + hd
-    first = bh * NC * P * N + rows_p * N
-    last = first + (NC - 1) * P * N
-    for k0 in range(0, N, 2 * KB):
-        cols = k0 + tl.arange(0, 2 * KB)
-        smask = pmask[:, None] & (cols < N)[None, :]
-        if HAS_GFINAL:
-            g = _load_rows(gfinal_ptr, bh * P * N + rows_p * N, cols, smask)
-        else:
-            g = tl.zeros((PB, 2 * KB), dtype=tl.float32)
-        tl.store(gstates_ptr + last[:, None] + cols[None, :], g, mask=smask)
-    for i in range(NC):
-        c = NC - 1 - i
-        tl.debug_barrier()  # the exit-state gradient, stored by other threads of this program, is visible
-        t = c * L + rows
-        valid = t < T
-        tok = (bi * T + t) * H + hd
-        vmask_p = valid[:, None] & pmask[None, :]
-        _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-        dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
-        dyq = dy * q[:, None]
-        exit_ = first + c * P * N
-        for k0 in range(0, N, 2 * KB):
-            cols = k0 + tl.arange(0, 2 * KB)
-            cmask = cols < N
-            smask = pmask[:, None] & cmask[None, :]
-            cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-            cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
-                          valid[:, None] & cmask[None, :], cmask, L, KB)
-            g = _load_rows(gstates_ptr, exit_, cols, smask)
-            g_t = qL * tl.trans(g) + _dot(tl.trans(cr), dyq, MM, PREC)  # transposed, like the forward's state
-            if c > 0:
-                _store_transposed(gstates_ptr, exit_ - P * N, cols, g_t, smask)
-            else:
-                _store_transposed(ginit_ptr, bh * P * N + rows_p * N, cols, g_t, smask)
+    t = c * L + rows
+    valid = t < T
+    tok = (bi * T + t) * H + hd
+    _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
+    if k0 == 0:
+        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
+    dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p,
+                              valid[:, None] & pmask[None, :], P)
+    cols = k0 + tl.arange(0, 2 * KB)
+    cmask = cols < N
+    cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+    cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
+                  valid[:, None] & cmask[None, :], cmask, L, KB)
+    # Transposed, like the forward's state.
+    _store_transposed(gstates_ptr, ((bi * H + hd) * NC + c) * P * N + rows_p * N, cols,
+                      _dot(tl.trans(cr), dy * q[:, None], MM, PREC), pmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -296,18 +331,19 @@ def _angle_grad(g_rot, rot, R: tl.constexpr, KB: tl.constexpr):
 def _bwd_chunk_kernel(
     x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
     states_ptr, gstates_ptr, gy_ptr,
-    gx_ptr, gz_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr,
+    gx_ptr, gz_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr, dcb_ptr,
     T, H, REP, NC,
     sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every gradient of chunk c that is not the state chain. With W[i, j] = decay(i, j) (σ_j below the
-    diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x and S_exit = qL S + (diag(eσ) x)ᵀ B:
-    dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ; dC = (W ⊙ dP) B + diag(q) dy S;
-    dB = (W ⊙ dP)ᵀ C + diag(eσ) x G (G = dL/dS_exit); the log-decays get the W, q, e and qL terms,
-    reverse-accumulated over the chunk. Two passes over the state dimension in blocks: the first sums
-    the contractions over it (C Bᵀ, C Sᵀ, B Gᵀ, Σ G ⊙ S), the second writes dB, dC and dΘ block by block."""
+    """Every gradient of chunk c that is neither the state chain nor B's or C's. With W[i, j] =
+    decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x and
+    S_exit = qL S + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ
+    (G = dL/dS_exit); the log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk.
+    One pass over the state dimension in blocks sums its contractions (C Bᵀ, C Sᵀ, B Gᵀ, Σ G ⊙ S);
+    dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which writes dB, dC and dΘ. (One kernel doing
+    both held too many tiles at once: 255 registers and 576 B of spills at `small`, bf16 operands.)"""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     hd = pid % H
@@ -371,7 +407,8 @@ def _bwd_chunk_kernel(
     # cumulative log-decay A; dL/dA is accumulated, then dL/da_k = Σ_{i >= k} dL/dA_i.
     dp = _dot(dy, tl.trans(x), MM, PREC)  # dL/dscores
     dw = cb * dp
-    dcb = w * dp
+    tl.store(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :],
+             (w * dp).to(dcb_ptr.dtype.element_ty))
     tl.store(ggam_ptr + tok, tl.sum(tl.where(rows[:, None] == rows[None, :], dw, 0.0), 1), mask=valid)
     dm = tl.where(below, dw * _decay_matrix(A, seg, rows), 0.0)
     tl.store(gsig_ptr + tok, tl.sum(dm, 0) + ves * e, mask=valid)
@@ -382,31 +419,65 @@ def _bwd_chunk_kernel(
     da = tl.sum(tl.where(rows[:, None] >= rows[None, :], dA[:, None], 0.0), 0)
     tl.store(gld_ptr + tok, tl.where(start, 0.0, da), mask=valid)
 
-    # B and C (rotated), then back through the rotation, block by block. Per-head gradients of
-    # (v + bias), (b, t, h, n), are summed over the heads of a group afterwards; the biases' per-chunk
-    # parts (b, h, chunks, n) over batch and chunks. The products are taken transposed so that the
-    # tiles every block shares (dcb, dy, x) are their second operands.
-    dcb_t = tl.trans(dcb)
-    dy_t = tl.trans(dy)
-    x_t = tl.trans(x)
+
+@triton.jit
+def _bwd_bc_kernel(
+    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
+    states_ptr, gstates_ptr, gy_ptr, dcb_ptr,
+    gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr,
+    T, H, REP, NC,
+    sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (block of 2 KB state columns, chunk, batch row * head): dL/dB and dL/dC of those columns
+    of chunk c, back through the rotation, and their angles' and biases' parts, from the chunk
+    kernel's dL/d(C Bᵀ) and the state and its gradient:
+    dC = dL/d(C Bᵀ) B + diag(q) dy S, dB = dL/d(C Bᵀ)ᵀ C + diag(eσ) x G (rotated; then unrotated).
+    Columns are independent here, so the state dimension is spread over the grid."""
+    k0 = tl.program_id(0) * 2 * KB
+    c = tl.program_id(1)
+    pid = tl.program_id(2)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
+    gp = hd // REP
+    rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
+    pmask = rows_p < P
+    bh = bi * H + hd
+    t = c * L + rows
+    valid = t < T
+    tok = (bi * T + t) * H + hd
+    vmask_p = valid[:, None] & pmask[None, :]
+    _, _, q, e, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
+    es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
+    x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
+    dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
+    dcb = tl.load(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :])  # the operands' dtype
+    cols = k0 + tl.arange(0, 2 * KB)
+    cmask = cols < N
+    vmask_n = valid[:, None] & cmask[None, :]
+    smask = pmask[:, None] & cmask[None, :]
+    state = (bh * NC + c) * P * N + rows_p * N
+    cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+    cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
+                  L, KB)
+    br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
+                  L, KB)
+    s = _load_rows(states_ptr, state, cols, smask)
+    g = _load_rows(gstates_ptr, state, cols, smask)
+    # Taken transposed, so that the tiles shared by every column block are the second operands.
+    gcr = tl.trans(_dot(tl.trans(br), tl.trans(dcb), MM, PREC) + _dot(tl.trans(s), tl.trans(dy), MM, PREC)
+                   * q[None, :])
+    gbr = tl.trans(_dot(tl.trans(cr), dcb, MM, PREC) + _dot(tl.trans(g), tl.trans(x), MM, PREC) * es[None, :])
+    pairs = k0 // 2 + tl.arange(0, KB)
+    tl.store(gth_ptr + (tok * NA)[:, None] + pairs[None, :], _angle_grad(gbr, br, L, KB) +
+             _angle_grad(gcr, cr, L, KB), mask=valid[:, None] & (pairs < NA)[None, :])
+    # Per-head gradients of (v + bias), (b, t, h, n), are summed over the heads of a group afterwards;
+    # the biases' per-chunk parts (b, h, chunks, n) over batch and chunks.
     bias_part = (bh * NC + c) * N
-    for k0 in range(0, N, 2 * KB):
-        cols = k0 + tl.arange(0, 2 * KB)
-        cmask = cols < N
-        vmask_n = valid[:, None] & cmask[None, :]
-        smask = pmask[:, None] & cmask[None, :]
-        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        s = _load_rows(states_ptr, state, cols, smask)
-        g = _load_rows(gstates_ptr, state, cols, smask)
-        gcr = tl.trans(_dot(tl.trans(br), dcb_t, MM, PREC) + _dot(tl.trans(s), dy_t, MM, PREC) * q[None, :])
-        gbr = tl.trans(_dot(tl.trans(cr), dcb, MM, PREC) + _dot(tl.trans(g), x_t, MM, PREC) * es[None, :])
-        pairs = k0 // 2 + tl.arange(0, KB)
-        tl.store(gth_ptr + (tok * NA)[:, None] + pairs[None, :], _angle_grad(gbr, br, L, KB) +
-                 _angle_grad(gcr, cr, L, KB), mask=valid[:, None] & (pairs < NA)[None, :])
-        _unrotate_store(gB_ptr, tok * N, gBb_ptr + bias_part, gbr, cos, sin, cols, vmask_n, cmask, L, KB)
-        _unrotate_store(gC_ptr, tok * N, gCb_ptr + bias_part, gcr, cos, sin, cols, vmask_n, cmask, L, KB)
+    _unrotate_store(gB_ptr, tok * N, gBb_ptr + bias_part, gbr, cos, sin, cols, vmask_n, cmask, L, KB)
+    _unrotate_store(gC_ptr, tok * N, gCb_ptr + bias_part, gcr, cos, sin, cols, vmask_n, cmask, L, KB)
 
 
 @dataclass(frozen=True)
@@ -421,21 +492,29 @@ class Tiling:
     num_stages: int = 1
 
 
+# State entries and warps per program of the chains over chunks (`_chain_kernel`).
+CHAIN_BLOCK = 1024
+CHAIN_WARPS = 4
+
+
 def _pow2(size: int, least: int) -> int:
     return max(least, triton.next_power_of_2(size))
 
 
 def tilings(head_dim: int, d_state: int, chunk_size: int) -> dict[str, Tiling]:
-    """The tiling of each kernel ("fwd", "bwd_state", "bwd_chunk") at these sizes. Chosen with
-    benchmarks/check_mamba3_resources.py for sm_90 (no spills at `tiny`, `small` and `nam52`, well
-    under the shared-memory limit): tiles of at most 32 state columns, and 32 state rows per program
-    in the sequential kernels (two programs per head at head_dim 64: twice the parallelism)."""
+    """The tiling of each chunk-parallel kernel at these sizes: every program takes all of head_dim.
+    Picked by timing on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24; e.g.
+    the chunk backward 4.78 against 5.01 ms for 64 instead of 32 columns per block) and checked with
+    benchmarks/check_mamba3_resources.py for sm_90 (shared memory well under the limit)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
+    wide = min(_pow2(d_state // 2, 8), 64)
     return {
-        "fwd": Tiling(min(block_p, 32), pairs, 4 if chunk_size <= 32 else 8),
-        "bwd_state": Tiling(min(block_p, 32), pairs, 4),
-        "bwd_chunk": Tiling(block_p, pairs, 4 if chunk_size <= 32 else 8),
+        "fwd_state": Tiling(block_p, pairs, 4),
+        "fwd_scan": Tiling(block_p, pairs, 4),
+        "bwd_state": Tiling(block_p, wide, 8),
+        "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if chunk_size <= 32 else 8),
+        "bwd_bc": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 8),
     }
 
 
@@ -499,11 +578,19 @@ def fused_fwd(
     states = x.new_empty(b, h, nc, p, n, dtype=f32)
     final = x.new_empty(b, h, p, n, dtype=f32)
     s0 = initial.to(f32).contiguous() if initial is not None else final  # unread without HAS_INIT
-    tiling = tilings(p, n, chunk_size)["fwd"]
-    launch(Launch(_fwd_kernel, (h, b, triton.cdiv(p, tiling.block_p)), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, s0, y, states, final,
-        t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
-    ), dict(HAS_INIT=initial is not None, **_meta(tiling, p, n, na, chunk_size, matmul_dtype, x.device))))
+    decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
+    tiling = tilings(p, n, chunk_size)
+    rows = (*x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3])
+    st = tiling["fwd_state"]
+    launch(Launch(_fwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
+        x, B, B_bias, theta, log_decay, sigma, states, decay, t, h, h // g, nc, *rows[:3], *rows[6:9],
+    ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
+    launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
+        states, decay, s0, final, nc, p * n,
+    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=initial is not None, REVERSE=False, num_warps=CHAIN_WARPS)))
+    launch(Launch(_fwd_scan_kernel, (nc, b * h), (
+        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, t, h, h // g, nc, *rows,
+    ), _meta(tiling["fwd_scan"], p, n, na, chunk_size, matmul_dtype, x.device)))
     return y, final, states
 
 
@@ -525,26 +612,37 @@ def fused_bwd(
     grad_init = x.new_empty(b, h, p, n, dtype=f32)
     gfinal = grad_final.to(f32).contiguous() if grad_final is not None else grad_init  # unread without it
     tiling = tilings(p, n, chunk_size)
-    launch(Launch(_bwd_state_kernel, (h, b, triton.cdiv(p, tiling["bwd_state"].block_p)), (
-        z, C, C_bias, theta, log_decay, grad_y, gfinal, grad_states, grad_init,
+    decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
+    st = tiling["bwd_state"]
+    launch(Launch(_bwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
+        z, C, C_bias, theta, log_decay, grad_y, grad_states, decay,
         t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
-    ), dict(HAS_GFINAL=grad_final is not None,
-            **_meta(tiling["bwd_state"], p, n, na, chunk_size, matmul_dtype, x.device))))
+    ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
+    launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
+        grad_states, decay, gfinal, grad_init, nc, p * n,
+    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, num_warps=CHAIN_WARPS)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
+    grad_D_parts = x.new_empty(b, h, nc, dtype=f32)
+    # dL/d(C Bᵀ) of every chunk, in the dtype the products round it to anyway (so the split changes no bit).
+    grad_cb = x.new_empty(b, h, nc, chunk_size, chunk_size, dtype=matmul_dtype)
+    launch(Launch(_bwd_chunk_kernel, (nc, b * h), (
+        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_states, grad_y,
+        grad_x, grad_z, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
+        t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+    ), _meta(tiling["bwd_chunk"], p, n, na, chunk_size, matmul_dtype, x.device)))
     grad_B_heads = x.new_empty(b, t, h, n, dtype=f32)  # per head: summed over each group's heads below
     grad_C_heads = x.new_empty(b, t, h, n, dtype=f32)
     grad_theta = torch.empty_like(theta, dtype=f32)
-    grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
     grad_B_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     grad_C_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
-    grad_D_parts = x.new_empty(b, h, nc, dtype=f32)
-    launch(Launch(_bwd_chunk_kernel, (nc, b * h), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_states, grad_y,
-        grad_x, grad_z, grad_B_heads, grad_C_heads, grad_B_bias_parts, grad_C_bias_parts, grad_theta, grad_ld,
-        grad_sig, grad_gam, grad_D_parts,
+    bc = tiling["bwd_bc"]
+    launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * h), (
+        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, states, grad_states, grad_y, grad_cb,
+        grad_B_heads, grad_C_heads, grad_B_bias_parts, grad_C_bias_parts, grad_theta,
         t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
-    ), _meta(tiling["bwd_chunk"], p, n, na, chunk_size, matmul_dtype, x.device)))
+    ), _meta(bc, p, n, na, chunk_size, matmul_dtype, x.device)))
     # Fixed-order reductions (no atomics): the heads of each group; batch and chunks for the per-head
     # biases and D.
     grad_B, grad_C = (v if g == h else v.view(b, t, g, h // g, n).sum(3) for v in (grad_B_heads, grad_C_heads))
