@@ -64,7 +64,7 @@ class Usage:
 
 
 def mixer_launches(preset: str, batch: int, seq: int, act: torch.dtype, matmul: torch.dtype) -> list[Launch]:
-    """The three kernel launches of one M mixer's forward and backward at the preset's sizes, recorded
+    """Every kernel launch of one M mixer's forward and backward at the preset's sizes, recorded
     from `fused_fwd`/`fused_bwd` on meta tensors (training: no initial state, no final-state gradient)."""
     cfg = PRESETS[preset]().model
     with torch.device("meta"):
