@@ -4,7 +4,8 @@
   embedding, 128 wide, trains in minutes on 2 cores; eager (compiling does not pay on a 2-core CPU).
 - ``small``: one GPU. ``AEMEAEMEAEMR`` at width 768 over 24 sublayers: active compute per token close
   to nanochat's d12 (12 attention + 12 MLP sublayers at width 768); its M, R and E blocks train at
-  half the learning rate, and its Mamba-3 scan multiplies bf16 operands under autocast.
+  half the learning rate, and its Mamba-3 scan multiplies bf16 operands under autocast, in the fused
+  Triton kernels on CUDA.
 - ``dense``: the baseline every hybrid is held against. ``small``'s whole stack (width, attention,
   FFN, vocabulary, sequence length, optimizer, schedule) with the pattern ``AF`` and base learning
   rates: 12 attention + 12 dense MLP sublayers at width 768, about nanochat's d12.
