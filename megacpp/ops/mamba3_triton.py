@@ -142,6 +142,21 @@ def _store_transposed(ptr, row_off, cols, value_t, mask):
 
 
 @triton.jit
+def _chunk_program(T, H, REP, P: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, CHUNK_AXIS: tl.constexpr):
+    """Where a chunk-parallel program works: chunk c (grid axis CHUNK_AXIS), head and batch row (the
+    next axis), the head's group, row indices of the chunk and of head_dim, and the (b, t, h) index tok
+    of each of the chunk's tokens with its validity (t < T)."""
+    c = tl.program_id(CHUNK_AXIS)
+    pid = tl.program_id(CHUNK_AXIS + 1)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
+    rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
+    t = c * L + rows
+    return c, hd, bi, hd // REP, rows, rows_p, rows_p < P, t, t < T, (bi * T + t) * H + hd
+
+
+@triton.jit
 def _fwd_state_kernel(
     x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, decay_ptr,
     T, H, REP, NC,
@@ -153,17 +168,7 @@ def _fwd_state_kernel(
     Σ_t e_t σ_t x_t B_tᵀ (e: the decay from t to the chunk's end), stored in chunk c's slot of `states`
     for `_chain_kernel`; the column-0 programs also store the chunk's whole decay qL."""
     k0 = tl.program_id(0) * 2 * KB
-    c = tl.program_id(1)
-    pid = tl.program_id(2)
-    hd = pid % H
-    bi = (pid // H).to(tl.int64)
-    gp = hd // REP
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
-    t = c * L + rows
-    valid = t < T
-    tok = (bi * T + t) * H + hd
+    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     _, _, _, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
     if k0 == 0:
         tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
@@ -222,17 +227,7 @@ def _fwd_scan_kernel(
     """Program (chunk, batch row * head): the gated output of chunk c from the state entering it,
     y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x (W: decays, σ below the diagonal, γ on it), times silu(z);
     chunks are independent here. The state dimension is walked in blocks of 2 KB columns."""
-    c = tl.program_id(0)
-    pid = tl.program_id(1)
-    hd = pid % H
-    bi = (pid // H).to(tl.int64)
-    gp = hd // REP
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
-    t = c * L + rows
-    valid = t < T
-    tok = (bi * T + t) * H + hd
+    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     vmask_p = valid[:, None] & pmask[None, :]
     state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
     cb = tl.zeros((L, L), dtype=tl.float32)
@@ -282,17 +277,7 @@ def _bwd_state_kernel(
     its way back, Σ_t q_t dy_t C_tᵀ (q: the decay from the entering state to t), stored in chunk c's
     slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL."""
     k0 = tl.program_id(0) * 2 * KB
-    c = tl.program_id(1)
-    pid = tl.program_id(2)
-    hd = pid % H
-    bi = (pid // H).to(tl.int64)
-    gp = hd // REP
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
-    t = c * L + rows
-    valid = t < T
-    tok = (bi * T + t) * H + hd
+    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
     if k0 == 0:
         tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
@@ -344,18 +329,8 @@ def _bwd_chunk_kernel(
     One pass over the state dimension in blocks sums its contractions (C Bᵀ, C Sᵀ, B Gᵀ, Σ G ⊙ S);
     dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which writes dB, dC and dΘ. (One kernel doing
     both held too many tiles at once: 255 registers and 576 B of spills at `small`, bf16 operands.)"""
-    c = tl.program_id(0)
-    pid = tl.program_id(1)
-    hd = pid % H
-    bi = (pid // H).to(tl.int64)
-    gp = hd // REP
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
+    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
-    t = c * L + rows
-    valid = t < T
-    tok = (bi * T + t) * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
     B_row = bi * sB_b + t * sB_t + gp * sB_g
     C_row = bi * sC_b + t * sC_t + gp * sC_g
@@ -436,18 +411,8 @@ def _bwd_bc_kernel(
     dC = dL/d(C Bᵀ) B + diag(q) dy S, dB = dL/d(C Bᵀ)ᵀ C + diag(eσ) x G (rotated; then unrotated).
     Columns are independent here, so the state dimension is spread over the grid."""
     k0 = tl.program_id(0) * 2 * KB
-    c = tl.program_id(1)
-    pid = tl.program_id(2)
-    hd = pid % H
-    bi = (pid // H).to(tl.int64)
-    gp = hd // REP
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
+    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     bh = bi * H + hd
-    t = c * L + rows
-    valid = t < T
-    tok = (bi * T + t) * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
     _, _, q, e, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
     es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
