@@ -62,6 +62,7 @@ def orthogonalize(
     *,
     normalization: str = "polar_express",
     eps: float = 1e-6,
+    fold_identity: bool | None = None,
 ) -> Tensor:
     """Approximate U V^T of G = U S V^T for a matrix or a stack of matrices (..., A, B); returns bf16.
 
@@ -69,6 +70,13 @@ def orthogonalize(
     singular value inside the interval the coefficients were computed for); "torch" divides by
     max(||X||_F, eps), torch.optim.Muon's rule. Norms are per matrix, over the last two dims.
     split_sizes: split along the output dim (-2), orthogonalize each slice on its own, concatenate.
+    fold_identity: how each iteration's products are formed. False: B = b A + c A^2 and X <- a X + B X
+    as `baddbmm`s, each sum rounded once in the product's epilogue (the CPU path, whose numerics the
+    tests pin). True: X <- (a I + b A + c A^2) X, the polynomial summed in fp32 in one elementwise pass.
+    cuBLAS's baddbmm first copies its addend into a fresh output buffer: on `small` those were 159
+    copies and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (BENCHMARKS.md); the
+    folded form has none. Both land equally close to U V^T (the tests compare them). None (default):
+    folded on CUDA, epilogue elsewhere.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
@@ -76,14 +84,22 @@ def orthogonalize(
         raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
     schedule = coefficient_schedule(coefficients, steps)
     if split_sizes is None:
-        return _orthogonalize(G, schedule, normalization, eps)
+        return _orthogonalize(G, schedule, normalization, eps, fold_identity)
     if sum(split_sizes) != G.shape[-2]:
         raise ValueError(f"split_sizes {tuple(split_sizes)} do not sum to {G.shape[-2]} rows")
     parts = torch.split(G, list(split_sizes), dim=-2)
-    return torch.cat([_orthogonalize(p, schedule, normalization, eps) for p in parts], dim=-2)
+    return torch.cat([_orthogonalize(p, schedule, normalization, eps, fold_identity) for p in parts], dim=-2)
 
 
-def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: float) -> Tensor:
+def _polynomial(A: Tensor, a: float, b: float, c: float) -> Tensor:
+    """a I + b A + c A^2 for a stack of square matrices A, summed in fp32 and rounded once to A's dtype
+    (one elementwise pass after A^2 under torch.compile)."""
+    eye = torch.eye(A.shape[-1], dtype=torch.float32, device=A.device)
+    return (c * (A @ A).float() + b * A.float() + a * eye).to(A.dtype)
+
+
+def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: float,
+                   fold_identity: bool | None) -> Tensor:
     batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
     X = G.to(torch.bfloat16).reshape(-1, rows, cols)
     tall = rows > cols
@@ -94,10 +110,14 @@ def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: f
         X = X / (norm * 1.02 + eps)
     else:
         X = X / norm.clamp_min(eps)
+    folded = X.is_cuda if fold_identity is None else fold_identity
     for a, b, c in schedule:
         A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        if folded:
+            X = _polynomial(A, a, b, c) @ X
+        else:
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a)
     if tall:
         X = X.mT
     return X.reshape(*batch_shape, rows, cols)
