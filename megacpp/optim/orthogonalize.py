@@ -76,7 +76,9 @@ def orthogonalize(
     cuBLAS's baddbmm first copies its addend into a fresh output buffer: on `small` those were 159
     copies and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (BENCHMARKS.md); the
     folded form has none. Both land equally close to U V^T (the tests compare them). None (default):
-    folded on CUDA, epilogue elsewhere.
+    folded on CUDA under torch.compile, where the polynomial is one fused pass; eager, its separate
+    fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager and
+    CPU steps take the epilogue form.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
@@ -102,22 +104,40 @@ def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: f
                    fold_identity: bool | None) -> Tensor:
     batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
     X = G.to(torch.bfloat16).reshape(-1, rows, cols)
-    tall = rows > cols
-    if tall:  # work on the short side: the Gram matrix is min(A, B)^2
-        X = X.mT
+    tall = rows > cols  # work on the short side: the Gram matrix is min(A, B)^2
+    if G.is_cuda and torch.compiler.is_compiling() if fold_identity is None else fold_identity:
+        X = _folded_iterations(_normalized(X, normalization, eps), schedule, tall)
+    else:
+        X = _epilogue_iterations(_normalized(X.mT if tall else X, normalization, eps), schedule)
+        X = X.mT if tall else X
+    return X.reshape(*batch_shape, rows, cols)
+
+
+def _normalized(X: Tensor, normalization: str, eps: float) -> Tensor:
     norm = X.norm(dim=(-2, -1), keepdim=True)
     if normalization == "polar_express":
-        X = X / (norm * 1.02 + eps)
-    else:
-        X = X / norm.clamp_min(eps)
-    folded = X.is_cuda if fold_identity is None else fold_identity
+        return X / (norm * 1.02 + eps)
+    return X / norm.clamp_min(eps)
+
+
+def _epilogue_iterations(X: Tensor, schedule: Coefficients) -> Tensor:
+    """The iterations on wide matrices X (n, m, k), m <= k: B = b A + c A^2 and X <- a X + B X."""
     for a, b, c in schedule:
         A = X @ X.mT
-        if folded:
-            X = _polynomial(A, a, b, c) @ X
-        else:
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return X
+
+
+def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool) -> Tensor:
+    """The iterations X <- (a I + b A + c A^2) X on X's short side, X (n, rows, cols) as stored. A tall
+    stack is read through transposed views (cuBLAS takes them as they are) and the last product is
+    formed transposed, X^T P^T, so every elementwise pass and the result keep the stored layout: a
+    norm and an update pass over transposed views of `small`'s expert stacks cost 0.8 and 0.9 ms."""
     if tall:
         X = X.mT
-    return X.reshape(*batch_shape, rows, cols)
+    *steps, (a, b, c) = schedule
+    for a_i, b_i, c_i in steps:
+        X = _polynomial(X @ X.mT, a_i, b_i, c_i) @ X
+    P = _polynomial(X @ X.mT, a, b, c)
+    return X.mT @ P.mT if tall else P @ X
