@@ -34,6 +34,23 @@ def test_tier1_matrices_within_the_bound_are_untouched_bit_for_bit() -> None:
         assert torch.equal(w[i], before[i]), i
 
 
+def test_tier1_parameters_of_one_shape_capped_together_as_each_alone() -> None:
+    """Same-shape parameters share one bound computation (stacked); each ends exactly as capped alone,
+    with its own bound, and the metrics cover all of them. A parameter of another shape is its own group."""
+    a, b = stack_with_sigmas([0.5, 1.3, 2.0], seed=2), stack_with_sigmas([3.0, 0.7], seed=3)
+    c = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(4))
+    c_sigmas = sigma_max(c)
+    alone = [x.clone() for x in (a, b, c)]
+    for x, bound in zip(alone, (1.0, 2.5, 0.5), strict=True):
+        SpectralCap([CappedParam("W", x, bound)]).apply()
+    metrics = SpectralCap([CappedParam("a", a, 1.0), CappedParam("b", b, 2.5), CappedParam("c", c, 0.5)]).apply()
+    for together, single in zip((a, b, c), alone, strict=True):
+        assert torch.equal(together, single)
+    assert int(metrics["spectral_cap/n_capped"]) == 2 + 1 + int((c_sigmas > 0.5).sum())
+    largest = max(3.0, c_sigmas.max().item())
+    assert abs(metrics["spectral_cap/max_sigma"].item() - largest) <= largest * SIGMA_RTOL
+
+
 def test_tier3_matrices_above_the_bound_end_at_it_and_keep_their_direction() -> None:
     w = stack_with_sigmas([0.5, 1.3, 2.0, 17.0], seed=1)
     before = w.clone()

@@ -90,16 +90,28 @@ class SpectralCap:
     @torch.no_grad()
     def apply(self) -> dict[str, Tensor]:
         largest, rescaled = [], []
-        for c in self.capped:
-            matrices = local_tensor(c.param)
-            if matrices.numel() == 0:  # a rank holding no matrix of an unevenly sharded stack
-                continue
-            sigma, slack = spectral_norm_bound(matrices)  # (...,): one per matrix
-            scale = (c.bound * (1 + slack) / sigma).clamp(max=1.0)
-            matrices.mul_(scale.to(matrices.dtype)[..., None, None])
-            largest.append(sigma.max())
-            rescaled.append((scale < 1).sum())
+        for group in self._same_shape_groups():
+            # One bound computation for the group's matrices stacked: `small`'s two R layers' W share
+            # one chain of 20 squarings (about 7 launches each) instead of two.
+            sigmas, slack = spectral_norm_bound(torch.cat([m.reshape(-1, *m.shape[-2:]) for _, m in group]))
+            for (c, matrices), sigma in zip(group, sigmas.split([m[..., 0, 0].numel() for _, m in group]),
+                                            strict=True):
+                scale = (c.bound * (1 + slack) / sigma).clamp(max=1.0)
+                matrices.mul_(scale.to(matrices.dtype).view(*matrices.shape[:-2], 1, 1))
+                largest.append(sigma.max())
+                rescaled.append((scale < 1).sum())
         if largest:
             self.metrics = {"spectral_cap/max_sigma": torch.stack(largest).max(),
                             "spectral_cap/n_capped": torch.stack(rescaled).sum()}
         return self.metrics
+
+    def _same_shape_groups(self) -> list[list[tuple[CappedParam, Tensor]]]:
+        """Each capped parameter's local matrices, grouped by matrix shape, dtype and device, in order;
+        a rank holding no matrix of an unevenly sharded stack skips that parameter."""
+        groups: dict[tuple, list[tuple[CappedParam, Tensor]]] = {}
+        for c in self.capped:
+            matrices = local_tensor(c.param)
+            if matrices.numel():
+                key = (tuple(matrices.shape[-2:]), matrices.dtype, matrices.device)
+                groups.setdefault(key, []).append((c, matrices))
+        return list(groups.values())
