@@ -118,7 +118,7 @@ class ShardedMuon(Muon):
                 self._step_row_sharded(bucket)
 
     def _step_row_sharded(self, bucket: Bucket) -> None:
-        params, grads, buffers, second_moments, lr, weight_decay, momentum, beta2 = self.bucket_work(bucket)
+        params, grads, buffers, second_moments, lr, weight_decay, momentum, beta2, grad_scale = self.bucket_work(bucket)
         plan = bucket.plan
         mesh = bucket.params[0].device_mesh
         rank, world = mesh.get_local_rank(), mesh.size()
@@ -127,7 +127,7 @@ class ShardedMuon(Muon):
         tall_vr = plan.variance_reduction and total_rows > cols
         wide_vr = plan.variance_reduction and not tall_vr
 
-        update = self._run(momentum_update, grads, buffers, momentum, plan.nesterov)
+        update = self._run(momentum_update, grads, buffers, momentum, plan.nesterov, grad_scale)
         payload = torch.cat([update, torch.stack(second_moments)], dim=-1) if tall_vr else update
         whole = to_owners(payload.contiguous(), rows, rank, self.process_group)
         mine = list(owned(n, rank, world))

@@ -31,9 +31,13 @@ def adamw_update(
     weight_decay: Tensor,
     betas: tuple[float, float],
     eps: float,
+    grad_scale: Tensor | None,
     fused: bool,
 ) -> None:
-    """One AdamW step for one group: p <- p (1 - lr wd), then torch's Adam update with tensor lr."""
+    """One AdamW step for one group: p <- p (1 - lr wd), then torch's Adam update with tensor lr, on the
+    gradients times grad_scale (the gradient clip's coefficient) when given."""
+    if grad_scale is not None:
+        grads = torch._foreach_mul(grads, grad_scale)
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     adam(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
@@ -96,7 +100,7 @@ class AdamW(TensorHParamOptimizer):
                 [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
                 [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
                 [s["step"] for s in states],
-                group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"],
+                group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"], self.grad_scale,
             ))
         if work:
             self._run(adamw_step, work, not self.compile_step)

@@ -32,6 +32,9 @@ class TensorHParamOptimizer(Optimizer):
         self.compile_step = compile_step
         self.compile_backend = compile_backend
         self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+        # The gradient clip's 0-D coefficient for the next step (set by OptimizerStack), multiplied into
+        # each gradient as the step reads it; None: gradients are used as they are.
+        self.grad_scale: Tensor | None = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -94,26 +94,27 @@ def variance_reduce(update: Tensor, second_moments: list[Tensor], beta2: Tensor)
     return update * variance_scale(update, second_moments, beta2)
 
 
-def momentum_updates(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool
-                     ) -> list[Tensor]:
+def momentum_updates(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool,
+                     grad_scale: Tensor | None = None) -> list[Tensor]:
     """Advance the momentum buffers in place; return each matrix's fp32 update to orthogonalize.
+    grad_scale (0-D fp32, the gradient clip's coefficient) multiplies each gradient as it is read.
 
     Matrix by matrix: the math is elementwise, so this is the stacked arithmetic bit for bit, without
     stacked copies of the gradients and buffers (a compiled step fuses each matrix's ops into one pass)."""
     weight = (1 - momentum).float()
     updates = []
     for grad, buf in zip(grads, momentum_buffers, strict=True):
-        grad = grad.float()
+        grad = grad.float() if grad_scale is None else grad.float() * grad_scale
         new = torch.lerp(buf.float(), grad, weight)
         buf.copy_(new)  # rounds to the buffer dtype
         updates.append(torch.lerp(grad, new, momentum.float()) if nesterov else new)
     return updates
 
 
-def momentum_update(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool
-                    ) -> Tensor:
+def momentum_update(grads: list[Tensor], momentum_buffers: list[Tensor], momentum: Tensor, nesterov: bool,
+                    grad_scale: Tensor | None = None) -> Tensor:
     """`momentum_updates`, stacked: the (n, ..., A, B) fp32 update of the bucket."""
-    return torch.stack(momentum_updates(grads, momentum_buffers, momentum, nesterov))
+    return torch.stack(momentum_updates(grads, momentum_buffers, momentum, nesterov, grad_scale))
 
 
 def orthogonalize_bucket(update: Tensor, plan: BucketPlan) -> Tensor:
@@ -160,10 +161,12 @@ def muon_update(
     weight_decay: Tensor,
     momentum: Tensor,
     beta2: Tensor,
+    grad_scale: Tensor | None,
     plan: BucketPlan,
 ) -> None:
-    """One Muon step for a bucket of same-shape whole matrices; updates params and buffers in place."""
-    updates = momentum_updates(grads, momentum_buffers, momentum, plan.nesterov)
+    """One Muon step for a bucket of same-shape whole matrices; updates params and buffers in place.
+    grad_scale: see `momentum_updates`."""
+    updates = momentum_updates(grads, momentum_buffers, momentum, plan.nesterov, grad_scale)
     # Stacked in bf16, the dtype orthogonalize starts with: the values of stacking in fp32 and casting
     # after, at half the bytes.
     ortho = orthogonalize_bucket(torch.stack([u.to(torch.bfloat16) for u in updates]), plan)
@@ -300,7 +303,7 @@ class Muon(TensorHParamOptimizer):
             [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
             [local_tensor(s["momentum_buffer"]) for s in states],
             [local_tensor(s["second_moment"]) for s in states] if group["variance_reduction"] else [],
-            group["lr"], group["weight_decay"], group["momentum"], group["beta2"],
+            group["lr"], group["weight_decay"], group["momentum"], group["beta2"], self.grad_scale,
         )
 
     @torch.no_grad()
