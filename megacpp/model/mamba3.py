@@ -172,13 +172,63 @@ class Mamba3(nn.Module):
 
 
 
-def _segmented_cumsum(step: Tensor, start_offsets: Tensor | None) -> Tensor:
+def _segmented_cumsum(step: Tensor, start_offsets: Tensor | None, gather_backward: bool | None = None) -> Tensor:
     """Cumulative sum over dim 1 that restarts at every document start (static shapes, no host sync).
 
-    start_offsets (b, t): where each token's document starts (`Segments.start_offsets`); None: at 0."""
-    total = step.cumsum(dim=1)
+    start_offsets (b, t): where each token's document starts (`Segments.start_offsets`); None: at 0.
+
+    gather_backward True: the sums run with t moved to the last dimension and stored contiguously, the
+    result is laid out as `step` again, and the gradient through the document restarts is
+    `_DocumentCumsum`'s gather. Inductor's scan along dim 1 of the mixer's (b, t, h, angles) step
+    strides by h * angles (0.43 ms per `small` M layer on an H200); with t last, autograd's
+    scatter-add onto each document's first token would send every atomic of a document to one
+    address. False (the CPU path, whose numerics the tests pin): the sum along dim 1 and autograd's
+    gradient. Both compute the same sums in the same order. None (default): True on CUDA with
+    documents, where it took `small`'s compiled M mixer from 9.03 to 8.81 ms; without documents the
+    two were within 0.06 ms and the sum stays on dim 1."""
+    if gather_backward is None:
+        gather_backward = step.is_cuda and start_offsets is not None
+    if not gather_backward:
+        total = step.cumsum(dim=1)
+        if start_offsets is None:
+            return total
+        before = total - step  # exclusive cumsum: what precedes each token
+        index = start_offsets.view(*start_offsets.shape, *([1] * (step.dim() - 2))).expand_as(step)
+        return total - before.gather(1, index)
+    along_t = step.movedim(1, -1).contiguous()
     if start_offsets is None:
-        return total
-    before = total - step  # exclusive cumsum: what precedes each token
-    index = start_offsets.view(*start_offsets.shape, *([1] * (step.dim() - 2))).expand_as(step)
-    return total - before.gather(1, index)
+        total = along_t.cumsum(dim=-1)
+    else:
+        b, t = start_offsets.shape
+        shape = (b, *([1] * (step.dim() - 2)), t)
+        total = _DocumentCumsum.apply(along_t, start_offsets.view(shape).expand_as(along_t),
+                                      _document_ends(start_offsets).view(shape).expand_as(along_t))
+    return total.movedim(-1, 1).contiguous()
+
+
+def _document_ends(start_offsets: Tensor) -> Tensor:
+    """(b, t): where each token's document ends (exclusive), from where each one starts."""
+    b, t = start_offsets.shape
+    time = torch.arange(t, device=start_offsets.device)
+    starts = torch.where(start_offsets == time, time, t)
+    next_start = torch.cat([starts[:, 1:], starts.new_full((b, 1), t)], dim=1)
+    return next_start.flip(1).cummin(dim=1).values.flip(1)
+
+
+class _DocumentCumsum(torch.autograd.Function):
+    """Segmented cumulative sum over the last dim, given each position's segment start and (exclusive)
+    end, expanded to the input's shape. Forward: the inclusive sum minus the exclusive sum at the
+    segment's start, as `_segmented_cumsum`'s reference. Backward: the gradient of position s is the
+    sum of the output's gradient over s..end-1, a reverse sum minus its value at the end: gathers only."""
+
+    @staticmethod
+    def forward(ctx, along_t: Tensor, start_index: Tensor, end_index: Tensor) -> Tensor:
+        total = along_t.cumsum(dim=-1)
+        ctx.save_for_backward(end_index)
+        return total - (total - along_t).gather(-1, start_index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (end_index,) = ctx.saved_tensors
+        after = grad.flip(-1).cumsum(dim=-1).flip(-1)  # the sum over u >= s
+        return after - F.pad(after, (0, 1)).gather(-1, end_index), None, None
