@@ -484,20 +484,23 @@ def _pow2(size: int, least: int) -> int:
     return max(least, triton.next_power_of_2(size))
 
 
-def tilings(head_dim: int, d_state: int, chunk_size: int) -> dict[str, Tiling]:
+def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> dict[str, Tiling]:
     """The tiling of each chunk-parallel kernel at these sizes: every program takes all of head_dim.
     Picked by timing on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24; e.g.
-    the chunk backward 4.78 against 5.01 ms for 64 instead of 32 columns per block) and checked with
-    benchmarks/check_mamba3_resources.py for sm_90 (shared memory well under the limit)."""
+    the chunk backward 4.78 against 5.01 ms for 64 instead of 32 columns per block; the output kernel
+    0.62 ms at 8 warps against 0.82 at 4; the dB/dC/dΘ kernel, which walks a group's heads, 1.65 ms at
+    4 warps against 1.72 at 8 with bf16 operands, although the sm_90 compile reports 0.7 KB of spills
+    there; fp32 operands, which were not timed, keep 8 warps: at 4 they would spill 3.2 KB) and checked
+    with benchmarks/check_mamba3_resources.py for sm_90 (shared memory well under the limit)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     wide = min(_pow2(d_state // 2, 8), 64)
     return {
         "fwd_state": Tiling(block_p, pairs, 4),
-        "fwd_scan": Tiling(block_p, pairs, 4),
+        "fwd_scan": Tiling(block_p, pairs, 8),
         "bwd_state": Tiling(block_p, wide, 8),
         "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if chunk_size <= 32 else 8),
-        "bwd_bc": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 8),
+        "bwd_bc": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if matmul_dtype.itemsize == 2 else 8),
     }
 
 
@@ -562,7 +565,7 @@ def fused_fwd(
     final = x.new_empty(b, h, p, n, dtype=f32)
     s0 = initial.to(f32).contiguous() if initial is not None else final  # unread without HAS_INIT
     decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
-    tiling = tilings(p, n, chunk_size)
+    tiling = tilings(p, n, chunk_size, matmul_dtype)
     rows = (*x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3])
     st = tiling["fwd_state"]
     launch(Launch(_fwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
@@ -594,7 +597,7 @@ def fused_bwd(
     grad_states = torch.empty_like(states)
     grad_init = x.new_empty(b, h, p, n, dtype=f32)
     gfinal = grad_final.to(f32).contiguous() if grad_final is not None else grad_init  # unread without it
-    tiling = tilings(p, n, chunk_size)
+    tiling = tilings(p, n, chunk_size, matmul_dtype)
     decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
     st = tiling["bwd_state"]
     launch(Launch(_bwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
