@@ -8,6 +8,7 @@ periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -56,6 +57,7 @@ from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
+from megacpp.runtime.model_size import check_model_fits
 from megacpp.train.autofit import TEST_OOM_ENV, WINDOW_STEPS, AutoFitChild, injected_oom, micro_batches
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.grad_norms import NormHistory, PartGradNorms, spike_summary
@@ -204,6 +206,8 @@ class Trainer:
         self.log = RankLog(self.out_dir, ctx.rank, log if ctx.is_main else None) if ctx.distributed else log
         self.progress = progress and ctx.is_main
         seed_everything(tc.seed)
+        # Before the data (which may take minutes): the tokenizer's vocabulary is data.vocab_size.
+        check_model_fits(dataclasses.replace(cfg.model, vocab_size=cfg.data.vocab_size), self.device)
         self.data = build_data(cfg.data, tc.seed, tc.batch_size, self.device, self.log, self.progress,
                                rank=ctx.rank, world_size=ctx.world_size)
         cfg.model.vocab_size = self.data.tokenizer.vocab_size
