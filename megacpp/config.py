@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 import sys
 import types
@@ -258,13 +259,25 @@ def _parse_cli_value(raw: str, tp: Any, where: str) -> Any:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        if typing.get_origin(target) in (list, tuple):
-            value = [s.strip() for s in raw.split(",") if s.strip()]
-            item_tp = (typing.get_args(target) or (str,))[0]
-            value = [_parse_cli_value(v, item_tp, where) for v in value]
+        # Not TOML: a list field takes bare comma-separated items. One that also has word choices
+        # (data.corpus: paths or "system") takes them only when each looks like a path, so that a
+        # misspelt choice is an error, not a directory that does not exist.
+        listed = next((o for o in concrete if typing.get_origin(o) in (list, tuple)), None)
+        choices = [c for o in concrete if typing.get_origin(o) is typing.Literal for c in typing.get_args(o)]
+        items = [v.strip() for v in raw.split(",") if v.strip()]
+        if listed is not None and raw not in choices:
+            if choices and not all(_looks_like_path(v) for v in items):
+                raise ConfigError(f"{where}: expected one of {', '.join(map(repr, choices))} or paths (a path "
+                                  f"contains '/': ./{raw}; several: a,b or [\"a\", \"b\"]), got {raw!r}") from None
+            item_tp = (typing.get_args(listed) or (str,))[0]
+            value = [_parse_cli_value(v, item_tp, where) for v in items]
         else:
             value = raw
     return _coerce(value, tp, where)
+
+
+def _looks_like_path(text: str) -> bool:
+    return "/" in text or os.sep in text or text in (".", "..") or text.startswith("~")
 
 
 def cli_where(dotted: str) -> str:

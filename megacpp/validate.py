@@ -370,6 +370,15 @@ def _extensions_dotted(k: _Keys) -> None:
             raise k.error(key, f"has extensions {bad} without the leading '.'")
 
 
+def _corpus_names_a_path(k: _Keys) -> None:
+    """An empty corpus list would reach the data step and find nothing to train on; unset means the
+    default corpus, so the empty list is never what was meant."""
+    corpus = k.value("data.corpus")
+    if isinstance(corpus, list) and not [p for p in corpus if p.strip()]:
+        raise k.error("data.corpus", "names no path; expected one or more files or directories, \"system\" "
+                      "(every C/C++ include tree on the machine), or no value for the default corpus")
+
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -483,7 +492,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _engram_layers_in_depth,
         _ngram_orders,
     ),
-    "data": (_byte_limits, _extensions_dotted),
+    "data": (_byte_limits, _extensions_dotted, _corpus_names_a_path),
     "train": (_device_form, _micro_batch_divides),
     "optim": (_lr_scales_well_formed,),
     "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum, _schedule_fits_run,

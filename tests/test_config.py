@@ -116,3 +116,17 @@ def test_dense_preset_is_small_with_attention_and_mlp_only_and_has_the_hand_coun
     expected = 12 * per_pair + V * d + d + d * V  # embedding, final norm, LM head
     assert expected == 125_848_320
     assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_tier1_corpus_on_the_command_line_takes_a_bare_path_a_comma_list_or_its_choice():
+    """`--data.corpus /usr/include` was refused ("expected a list of str"): only the TOML list form parsed."""
+    cases = (("/usr/include", ["/usr/include"]), ("/a, ./b", ["/a", "./b"]), ('["/x,y"]', ["/x,y"]),
+             ('["src"]', ["src"]), ("system", "system"), ("none", None))
+    for raw, want in cases:
+        assert apply_overrides(preset("tiny"), [("data.corpus", raw)]).data.corpus == want, raw
+    # A bare word is a choice or a mistake (a misspelt "system" must not become a missing directory).
+    for raw in ("systen", "src", "/a,src"):
+        with pytest.raises(ConfigError) as err:
+            apply_overrides(preset("tiny"), [("data.corpus", raw)])
+        assert str(err.value) == (f"command line --data.corpus: expected one of 'system' or paths (a path contains "
+                                  f"'/': ./{raw}; several: a,b or [\"a\", \"b\"]), got {raw!r}")

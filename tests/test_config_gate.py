@@ -264,3 +264,11 @@ def test_tier1_cli_config_with_a_huge_depth_is_one_line(capsys):
     assert cli.main(["config", "--preset", "tiny", "--model.depth", "99999999999999999999"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "must be in [1, 10000]" in err
+
+
+@pytest.mark.parametrize("raw", ["", "[]", '[" "]'])
+def test_tier1_a_corpus_that_names_no_path_is_refused(raw):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=[("data.corpus", raw)])
+    assert str(err.value).startswith("command line --data.corpus: data.corpus = ")
+    assert "names no path; expected one or more files or directories" in str(err.value)
