@@ -116,6 +116,17 @@ def test_prompt_longer_than_the_context_names_both_lengths(run_dir, capsys):
     assert snapshot(run_dir) == before
 
 
+def test_tier1_a_run_directorys_checkpoints_folder_names_the_run(run_dir, capsys):
+    """`--checkpoint RUN/checkpoints` (what tab completion gives) looked in RUN/checkpoints/checkpoints and
+    found nothing; it means RUN: the newest checkpoint, the same sample as `--checkpoint RUN`."""
+    outputs = []
+    for path in (run_dir, run_dir / "checkpoints"):
+        assert main(["sample", "--checkpoint", str(path), "--prompt", "int ", "--tokens", "5",
+                     "--temperature", "0", "--train.device", "cpu"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("int ")
+
+
 def test_valid_arguments_still_sample(run_dir, capsys):
     assert main(["sample", "--checkpoint", str(run_dir), "--prompt", "int ", "--tokens", "5",
                  "--temperature", "0", "--top-k", "0", "--train.device", "cpu"]) == 0

@@ -13,7 +13,13 @@ from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.errors import UsageError
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
-from megacpp.runtime.checkpoint import CKPT_DIR_RE, CheckpointError, latest_valid_checkpoint, load_checkpoint
+from megacpp.runtime.checkpoint import (
+    CKPT_DIR_RE,
+    CheckpointError,
+    checkpoint_root,
+    latest_valid_checkpoint,
+    load_checkpoint,
+)
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import resolve_device
 from megacpp.runtime.evaluate import evaluate_bpb
@@ -65,7 +71,7 @@ class Session:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest valid one under a run directory."""
+    """A checkpoint directory, or the newest valid one under a run directory or its `checkpoints/`."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or run directory")
@@ -73,9 +79,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path}: not a checkpoint or run directory (it is a file)")
     if CKPT_DIR_RE.match(path.name):
         return path
-    found = latest_valid_checkpoint(path)
+    # RUN/checkpoints itself (what a tab completion gives) means RUN, not RUN/checkpoints/checkpoints.
+    run_dir = path.parent if checkpoint_root(path.parent) == path and not checkpoint_root(path).is_dir() else path
+    found = latest_valid_checkpoint(run_dir)
     if found is None:
-        raise CheckpointError(f"{path}: no valid checkpoint (looked in {path / 'checkpoints'})")
+        raise CheckpointError(f"{path}: no valid checkpoint (looked in {checkpoint_root(run_dir)})")
     return found
 
 
