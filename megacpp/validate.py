@@ -34,6 +34,12 @@ from megacpp.ops.mamba3_fused import triton_size_reason
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.schedule import WarmupStableDecay
 
+
+class PatternConfigError(ConfigError, PatternError):
+    """A model.pattern or model.depth problem found by the gate: a configuration error (the CLI's exit
+    status 2, like every other) that code expecting HybridLM's PatternError still catches as one."""
+
+
 # ---------------------------------------------------------------- keys, values and their sources
 
 
@@ -230,7 +236,7 @@ def _pattern_symbols(k: _Keys) -> None:
     try:
         validate_pattern(k.value("model.pattern"))
     except PatternError as exc:
-        raise k.error("model.pattern", f"is not a valid pattern: {exc}", PatternError) from None
+        raise k.error("model.pattern", f"is not a valid pattern: {exc}", PatternConfigError) from None
 
 
 def _depth_fills_pattern(k: _Keys) -> None:
@@ -238,7 +244,7 @@ def _depth_fills_pattern(k: _Keys) -> None:
     try:
         expand_pattern(k.value("model.pattern"), k.value("model.depth"))
     except PatternError as exc:
-        raise k.error_among(("model.depth", "model.pattern"), str(exc), PatternError) from None
+        raise k.error_among(("model.depth", "model.pattern"), str(exc), PatternConfigError) from None
 
 
 def _attention_heads_group(k: _Keys) -> None:
@@ -516,7 +522,7 @@ def _run(k: _Keys, section: str | None) -> None:
 
 
 def validate_config(cfg: Config, sources: Provenance | None = None) -> None:
-    """Raise ConfigError (PatternError for the pattern) at the first problem, naming the key and,
+    """Raise ConfigError (PatternConfigError for the pattern) at the first problem, naming the key and,
     when ``sources`` is given, where its value came from."""
     _run(_Keys(cfg, "", sources), None)
 

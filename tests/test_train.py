@@ -191,8 +191,9 @@ def test_config_problems_are_reported_before_any_data_work(tmp_path, capsys):
     """A bad pattern or a sequence longer than the RoPE table fails at once: the corpus path does not
     even exist, so reaching the data step would raise a different error."""
     missing = tmp_path / "no-corpus"
-    assert main(["train", "--model.pattern", "AEXM", f"--data.corpus=[\"{missing}\"]"]) == 1
-    assert "unknown block symbol 'X' at position 2" in capsys.readouterr().err
+    assert main(["train", "--model.pattern", "AEXM", f"--data.corpus=[\"{missing}\"]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megacpp: config error: command line --model.pattern") and "'X' at position 2" in err
     args = ["train", "--data.seq_len", "9000", f"--data.corpus=[\"{missing}\"]"]
     assert main(args) == 2
     assert "exceeds model.attention.max_seq_len" in capsys.readouterr().err
