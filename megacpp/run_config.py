@@ -21,7 +21,7 @@ from megacpp.config import (
     merge_dict,
     read_toml,
 )
-from megacpp.presets import preset
+from megacpp.presets import PRESETS, preset
 from megacpp.validate import validate_config
 
 DEFAULT_PRESET = "tiny"
@@ -40,6 +40,9 @@ def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
             f"command line --preset {cli_preset} conflicts with preset = {file_preset!r} at "
             f"{file.where('preset')}: drop one, or name the same preset in both"
         )
+    if file_preset and file_preset not in PRESETS:  # named with its line; --preset is checked by argparse
+        raise ConfigError(f"{file.where('preset')}: unknown preset {file_preset!r}; available presets: "
+                          f"{', '.join(PRESETS)}")
     if cli_preset or file_preset:
         return cli_preset or file_preset
     return None if file is not None else DEFAULT_PRESET

@@ -79,6 +79,14 @@ def test_unknown_preset():
         preset("huge")
 
 
+def test_tier1_an_unknown_preset_in_a_file_names_the_file_and_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('# my run\n\npreset = "nope"\n')
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert str(err.value) == f"{path}:3: unknown preset 'nope'; available presets: tiny, small, dense, nam52"
+
+
 def test_presets_are_fresh_copies():
     a = PRESETS["tiny"]()
     a.model.depth = 99
