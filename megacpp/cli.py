@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,10 +153,21 @@ def cmd_sample(args: argparse.Namespace, cfg: Config) -> int:
     _check_sample_args(args)
     _check_checkpoint_overrides("sample", args)
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
-    for piece in session.stream(args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
-        sys.stdout.write(piece)
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        # A stdout that cannot encode a sampled character (PYTHONIOENCODING=ascii, a C locale) shows it
+        # escaped, \xe9, instead of ending the sample with a UnicodeEncodeError.
+        sys.stdout.reconfigure(errors="backslashreplace")
+    try:
+        for piece in session.stream(args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    except BrokenPipeError:
+        # The reader went away (`megacpp sample | head -c 100`): stop quietly, as a shell tool that
+        # SIGPIPE ends does; stdout points at /dev/null so that the exit's own flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return 0
 
 
@@ -324,7 +337,7 @@ def _resume_hint(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 on success, 2 on a configuration or argument error, 1 on any other explained error, 130 when
-    interrupted (Ctrl-C).
+    interrupted (Ctrl-C), 141 when `sample`'s reader closes the pipe (`| head`), as SIGPIPE would.
 
     Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
     one line. Anything else is a megacpp bug and keeps its traceback.

@@ -80,6 +80,33 @@ def test_invalid_prompt_bytes_from_a_real_command_line(tmp_path):
     assert "--prompt is not valid UTF-8 text: character 4" in err
 
 
+def _sample_process(run_dir: Path, *args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "megacpp.cli", "sample", "--checkpoint", str(run_dir), "--seed", "1",
+               "--train.device", "cpu", *args]
+    return subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **popen)
+
+
+def test_tier1_sample_to_an_ascii_stdout_escapes_what_it_cannot_encode(run_dir):
+    """PYTHONIOENCODING=ascii (or a C locale) ended the sample with a UnicodeEncodeError traceback."""
+    proc = _sample_process(run_dir, "--prompt", "// é ", "--tokens", "3", env={"PYTHONIOENCODING": "ascii"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert out.startswith(b"// \\xe9 ") and err == b""
+
+
+def test_tier1_sample_whose_reader_closes_the_pipe_stops_quietly(run_dir):
+    """`megacpp sample | head -c 1` printed "error: Broken pipe" and exited 1; now it ends as a tool that
+    SIGPIPE stops does: exit status 141, nothing on stderr. The reader here is gone before the first
+    write, so the outcome does not depend on timing."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = _sample_process(run_dir, "--prompt", "int ", "--tokens", "20", stdout=write, stderr=subprocess.PIPE)
+    os.close(write)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141 and err == b"", err.decode()
+
+
 @pytest.mark.parametrize("command", ["sample", "eval"])
 def test_missing_or_wrong_checkpoint_path_is_named(tmp_path, capsys, command):
     missing = tmp_path / "no-such-run"
