@@ -49,8 +49,8 @@ def check_model_fits(model_cfg: ModelConfig, device: torch.device) -> None:
             raise ModelTooLarge(
                 f"the model has {_count(weights // WEIGHT_BYTES)} parameters, {_bytes(weights)} of fp32 weights "
                 f"alone, more than the {_bytes(available)} of memory of {where}; its largest parameter is "
-                f"{name} {tuple(largest.shape)}: expected the model section's sizes (d_model, depth, "
-                f"ffn.hidden, moe.expert_hidden, vocab_size, ...) to fit; `megacpp params` lists every part")
+                f"{name} {tuple(largest.shape)}: expected sizes that fit (model.d_model, depth, "
+                f"ffn.hidden, moe.expert_hidden, data.vocab_size, ...); `megacpp params` lists every part")
 
 
 def _count(n: int) -> str:
