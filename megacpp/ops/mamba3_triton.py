@@ -142,18 +142,25 @@ def _store_transposed(ptr, row_off, cols, value_t, mask):
 
 
 @triton.jit
+def _chunk_rows(c, T, P: tl.constexpr, L: tl.constexpr, PB: tl.constexpr):
+    """Row indices of chunk c and of head_dim, head_dim's mask, the chunk's times t and their validity."""
+    rows = tl.arange(0, L)
+    rows_p = tl.arange(0, PB)
+    t = c * L + rows
+    return rows, rows_p, rows_p < P, t, t < T
+
+
+@triton.jit
 def _chunk_program(T, H, REP, P: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, CHUNK_AXIS: tl.constexpr):
     """Where a chunk-parallel program works: chunk c (grid axis CHUNK_AXIS), head and batch row (the
-    next axis), the head's group, row indices of the chunk and of head_dim, and the (b, t, h) index tok
-    of each of the chunk's tokens with its validity (t < T)."""
+    next axis), the head's group, `_chunk_rows`, and the (b, t, h) index tok of each of the chunk's
+    tokens."""
     c = tl.program_id(CHUNK_AXIS)
     pid = tl.program_id(CHUNK_AXIS + 1)
     hd = pid % H
     bi = (pid // H).to(tl.int64)
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    t = c * L + rows
-    return c, hd, bi, hd // REP, rows, rows_p, rows_p < P, t, t < T, (bi * T + t) * H + hd
+    rows, rows_p, pmask, t, valid = _chunk_rows(c, T, P, L, PB)
+    return c, hd, bi, hd // REP, rows, rows_p, pmask, t, valid, (bi * T + t) * H + hd
 
 
 @triton.jit
@@ -417,11 +424,7 @@ def _bwd_bc_kernel(
     G = H // REP
     gp = pid % G
     bi = (pid // G).to(tl.int64)
-    rows = tl.arange(0, L)
-    rows_p = tl.arange(0, PB)
-    pmask = rows_p < P
-    t = c * L + rows
-    valid = t < T
+    rows, rows_p, pmask, t, valid = _chunk_rows(c, T, P, L, PB)
     vmask_p = valid[:, None] & pmask[None, :]
     cols = k0 + tl.arange(0, 2 * KB)
     cmask = cols < N
