@@ -7,8 +7,8 @@ the comparisons run once in a subprocess (`_errors_by_case`) and the tests asser
 Tolerance (float32, eps = 2^-23): every step rounds each output at O(eps) relative (dot products of at
 most 128 terms, tanh), and the inputs keep the step contractive (f <= 1, |tanh'| <= 1, W scaled to
 spectral norm ~0.5), so the difference grows at most linearly in t; the backward's sums over (t, b, dk)
-are reordered (grad_W: each program adds up its rows' terms step by step, then the per-program partials
-are summed over row blocks and b), also O(t eps). Bound: |triton - reference| <= 8 eps t
+are reordered (grad_W: each program of the gradients kernel adds up its steps' terms, then the
+per-program partials are summed over step blocks and b), also O(t eps). Bound: |triton - reference| <= 8 eps t
 max(1, max|reference|), 5x (t = 1) to 80x (t = 33) above the observed differences, while a dropped or
 wrong term was off by O(max|reference|) (checked by mutating the kernel).
 """
@@ -28,8 +28,11 @@ from megacpp.ops.m2rnn_scan import _scan_bwd, _scan_fwd
 
 EPS = 2.0**-23
 # (b, t, H, dk, dv): odd b and t, one and several heads, one, two and four row blocks (dk 16, 32, 64);
-# the backward's per-block partials are summed over blocks and batch rows (b > 1 with dk > 16).
-CASES = [(1, 1, 1, 16, 16), (3, 7, 3, 32, 16), (2, 33, 1, 16, 32), (1, 7, 3, 32, 32), (2, 5, 1, 64, 16)]
+# the backward's per-block partials are summed over blocks and batch rows (b > 1 with dk > 16); t = 70
+# spans two of the gradients kernel's step blocks (GRADS_STEPS = 64), the second one partial; dk = 128
+# two of its row blocks (GRADS_ROWS = 64).
+CASES = [(1, 1, 1, 16, 16), (3, 7, 3, 32, 16), (2, 33, 1, 16, 32), (1, 7, 3, 32, 32), (2, 5, 1, 64, 16),
+         (2, 70, 2, 16, 16), (2, 3, 1, 128, 16)]
 NAMES = ["y", "states", "grad_q", "grad_k", "grad_v", "grad_f", "grad_W", "grad_h0"]
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,18 +4,19 @@
 Rows of the state are independent: h[i, :]_t = tanh(f_t h[i, :]_{t-1} W + k_t[i] v_t), so one program
 owns BLOCK_K rows of one (batch row, head) and loops over time with its state tile and W in registers;
 one launch per direction instead of a few per token. Each program writes its rows of every state; y (a
-sum over rows) goes to per-block partial buffers summed after the launch. The backward's chain is dL/dh
-carried back through time; dL/dp of each step is used where it is made and never stored. Per step a
-program stores its rows' grad_q, grad_k and grad_f terms and its rows' share of grad_v (sum over rows of
-k dp, a partial per row block), and it accumulates grad_W's f_t h_{t-1}^T dp_t over its steps in
-registers, stored once at the end. Nothing on the chain reads these, so they can overlap it (on sm_90 at
-dv >= 64, though, Triton makes the grad_W product a wgmma that the step waits for). After the launch the
-partials are summed over row blocks (grad_v) and over row blocks and batch rows (grad_W), and grad_f
-over rows. No atomics anywhere, so results are deterministic. Everything is fp32; `tl.dot` runs as
-"tf32x3" (split-TF32 tensor-core products, fp32-equivalent accuracy) to match the reference's fp32
-matmuls at tensor-core latency (see `_dot_precision`). Each step's inputs are loaded during the step
-before, so memory latency overlaps the chain, and a states gradient that is absent (training reads y
-only) is neither read nor zero-filled.
+sum over rows) goes to per-block partial buffers summed after the launch.
+
+The backward is two launches. The chain kernel carries dL/dh back through time and does nothing else
+per step: dp = dL/dp_t (p the pre-activation) to a (t, H, b, dk, dv) buffer, then one product with W^T.
+The gradients kernel then reads dp and the states in parallel over (batch row, head, block of steps) and
+makes every other gradient, with grad_W's per-program shares summed after the launch. Until 2026-11-24
+one kernel did both, and its per-step grad_W product (a wgmma that each step waited for) and row sums
+sat on the chain: 10.5 ms against 3.5 + 4.5 ms now at `small`'s sizes on an H200 (BENCHMARKS.md).
+No atomics anywhere, so results are deterministic. Everything is fp32; `tl.dot` runs as "tf32x3"
+(split-TF32 tensor-core products, fp32-equivalent accuracy) to match the reference's fp32 matmuls at
+tensor-core latency (see `_dot_precision`). Each chain step's inputs are loaded during the step before,
+so memory latency overlaps the chain, and a states gradient that is absent (training reads y only) is
+neither read nor zero-filled.
 
 Supported: float32 tensors, key_dim and value_dim powers of two in [16, 128], t >= 1 and b >= 1
 (`unsupported_reason` says why not; `with_fallback` sends such calls to the reference).
@@ -33,6 +34,12 @@ from torch import Tensor
 # programs (b * H * dk / 16) and the shortest per-step chain, which is what bounds a sequential scan.
 BLOCK_K = 16
 _SIZES = (16, 32, 64, 128)
+# Steps per program of the backward's gradients kernel: 32 to 256 were within 0.2 ms at `small`'s sizes
+# on an H200 (BENCHMARKS.md); fewer programs write fewer grad_W shares.
+GRADS_STEPS = 64
+# Rows per program of the gradients kernel: the whole state up to 64 rows; beyond, row blocks keep the
+# tf32x3 operands of its (rows x dv) tiles within shared memory.
+GRADS_ROWS = 64
 
 
 @triton.jit
@@ -70,46 +77,18 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, states_pt
 
 
 @triton.jit
-def _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
-              gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows,
-              DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr, HAS_GS: tl.constexpr):
-    """One step back through time given this block's tiles of h_t, h_{t-1}, dL/dh_t from the states
-    output (gs, when HAS_GS) and the token's q, k, v, f, dL/dy. With dp = dL/dp_t (p the pre-activation)
-    it stores the per-row sums of this block and its rows' share of grad_v, and returns dL/dh_{t-1}
-    (before later steps add to it) and gw plus this step's f_t h_{t-1}^T dp."""
-    cols = tl.arange(0, DV)
-    if HAS_GS:
-        carry += gs
-    carry += q[:, None] * gy[None, :]
-    dp = carry * (1.0 - h * h)
-    back = tl.dot(dp, w_t, input_precision=PRECISION)  # dL/dh_{t-1} / f_t
-    # Only `back` feeds the next step; nothing on the chain reads the rest, and dp is never stored:
-    # sums over rows (grad_v, grad_W) are this block's partials, added up after the launch.
-    gw = tl.dot(tl.trans(f * h_prev), dp, gw, input_precision=PRECISION)
-    tl.store(gv_part_ptr + tok * DV + cols, tl.sum(k[:, None] * dp, axis=0))
-    tl.store(gq_ptr + tok * DK + rows, tl.sum(h * gy[None, :], axis=1))
-    tl.store(gk_ptr + tok * DK + rows, tl.sum(dp * v[None, :], axis=1))
-    # sum(dp * (h_prev W)) = sum(h_prev * (dp W^T)): reuses `back` instead of a second matmul.
-    tl.store(gf_rows_ptr + tok * DK + rows, tl.sum(h_prev * back, axis=1))
-    return f * back, gw
-
-
-@triton.jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, gs_ptr,
-                gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, gw_part_ptr, gh0_ptr, T, H, B,
-                DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                HAS_GS: tl.constexpr):
+def _bwd_chain_kernel(q_ptr, f_ptr, w_ptr, states_ptr, gy_ptr, gs_ptr, dp_ptr, gh0_ptr, T, H, B,
+                      DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                      HAS_GS: tl.constexpr):
+    """dL/dh carried back through time for BLOCK rows of one (batch row, head); stores dL/dp_t of
+    every step (the gradients kernel reads it) and dL/dh0. Nothing else is on the chain."""
     b, hd, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = kb * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DV)
     tile = rows[:, None] * DV + cols[None, :]
     w_t = tl.load(w_ptr + hd * DV * DV + cols[None, :] * DV + cols[:, None])  # W^T
     carry = tl.zeros((BLOCK, DV), dtype=tl.float32)  # dL/dh_t from later steps
-    gw = tl.zeros((DV, DV), dtype=tl.float32)  # this block's share of grad_W, summed over its steps
-    # This block's (b, t, H, dv) slice of the grad_v partials; int64: past int32 at large b * t.
-    gv_part_ptr += tl.cast(kb, tl.int64) * T * H * B * DV
-    # Everything step ti reads is loaded during step ti + 1 (h_{ti-1} of one step is h of the next):
-    # memory latency then overlaps the math instead of lengthening the sequential chain.
+    # Step ti's inputs are loaded during step ti + 1: memory latency overlaps the chain.
     last = tl.cast(T - 1, tl.int64)
     step = (last * H + hd) * B + b  # (t, H, b) index
     tok = (b * T + last) * H + hd  # (b, t, H) index
@@ -117,30 +96,69 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, g
     gs = tl.zeros((BLOCK, DV), dtype=tl.float32)
     if HAS_GS:
         gs = tl.load(gs_ptr + step * DK * DV + tile)
-    h_prev = tl.load(states_ptr + ((tl.maximum(last - 1, 0) * H + hd) * B + b) * DK * DV + tile)
-    q, k = tl.load(q_ptr + tok * DK + rows), tl.load(k_ptr + tok * DK + rows)
-    v, f = tl.load(v_ptr + tok * DV + cols), tl.load(f_ptr + tok)
-    gy = tl.load(gy_ptr + step * DV + cols)
-    for i in range(T - 1):  # steps T-1 .. 1; step 0 reads h0 (after the loop)
+    q, f, gy = tl.load(q_ptr + tok * DK + rows), tl.load(f_ptr + tok), tl.load(gy_ptr + step * DV + cols)
+    for i in range(T):
         ti = last - i
-        step_n = ((ti - 1) * H + hd) * B + b
-        tok_n = (b * T + ti - 1) * H + hd
-        h_prev_n = tl.load(states_ptr + ((tl.maximum(ti - 2, 0) * H + hd) * B + b) * DK * DV + tile)
+        nxt = tl.maximum(ti - 1, 0)
+        step_n = (nxt * H + hd) * B + b
+        tok_n = (b * T + nxt) * H + hd
+        h_n = tl.load(states_ptr + step_n * DK * DV + tile)
         gs_n = gs
         if HAS_GS:
             gs_n = tl.load(gs_ptr + step_n * DK * DV + tile)
-        q_n, k_n = tl.load(q_ptr + tok_n * DK + rows), tl.load(k_ptr + tok_n * DK + rows)
-        v_n, f_n = tl.load(v_ptr + tok_n * DV + cols), tl.load(f_ptr + tok_n)
+        q_n, f_n = tl.load(q_ptr + tok_n * DK + rows), tl.load(f_ptr + tok_n)
         gy_n = tl.load(gy_ptr + step_n * DV + cols)
-        carry, gw = _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
-                              gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows, DK, DV, PRECISION, HAS_GS)
-        h, h_prev, gs, q, k, v, f, gy, tok = h_prev, h_prev_n, gs_n, q_n, k_n, v_n, f_n, gy_n, tok_n
-    h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
-    carry, gw = _bwd_step(carry, gw, h, h_prev, gs, w_t, q, k, v, f, gy, tok,
-                          gq_ptr, gk_ptr, gf_rows_ptr, gv_part_ptr, rows, DK, DV, PRECISION, HAS_GS)
+        if HAS_GS:
+            carry += gs
+        carry += q[:, None] * gy[None, :]
+        dp = carry * (1.0 - h * h)
+        tl.store(dp_ptr + step * DK * DV + tile, dp)
+        carry = f * tl.dot(dp, w_t, input_precision=PRECISION)
+        h, gs, q, f, gy, step = h_n, gs_n, q_n, f_n, gy_n, step_n
     tl.store(gh0_ptr + (hd * B + b) * DK * DV + tile, carry)
-    n_blocks = tl.num_programs(2)
-    tl.store(gw_part_ptr + ((b * H + hd) * n_blocks + kb) * DV * DV + cols[:, None] * DV + cols[None, :], gw)
+
+
+@triton.jit
+def _bwd_grads_kernel(k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, dp_ptr,
+                      gq_ptr, gk_ptr, gv_part_ptr, gf_part_ptr, gw_part_ptr, T, H, B,
+                      DK: tl.constexpr, DV: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """Every gradient but dL/dh0 from the stored dL/dp, for ROWS rows and STEPS steps of one (batch row,
+    head): no chain, so all (b, H, step block, row block) programs run at once. With G_t = h_{t-1}^T dp_t
+    over these rows: grad_W += f_t G_t, grad_f_t = <h_{t-1} W, dp_t> = <W, G_t>, grad_q_t = h_t gy_t,
+    grad_k_t = dp_t v_t, grad_v_t = dp_t^T k_t. grad_f and grad_v are partials per row block, grad_W
+    per program: summed after the launch."""
+    b, hd, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tb, rb = block // (DK // ROWS), block % (DK // ROWS)  # (step block, row block)
+    rows, cols = rb * ROWS + tl.arange(0, ROWS), tl.arange(0, DV)
+    tile = rows[:, None] * DV + cols[None, :]
+    w = tl.load(w_ptr + hd * DV * DV + cols[:, None] * DV + cols[None, :])
+    gw = tl.zeros((DV, DV), dtype=tl.float32)
+    # This row block's slice of the (b, t, H) grad_f and (b, t, H, dv) grad_v partials.
+    gf_part_ptr += tl.cast(rb, tl.int64) * B * T * H
+    gv_part_ptr += tl.cast(rb, tl.int64) * B * T * H * DV
+    t0 = tb * STEPS
+    if t0 == 0:
+        h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
+    else:
+        h_prev = tl.load(states_ptr + ((tl.cast(t0 - 1, tl.int64) * H + hd) * B + b) * DK * DV + tile)
+    for t in range(t0, tl.minimum(t0 + STEPS, T)):
+        ti = tl.cast(t, tl.int64)
+        step = (ti * H + hd) * B + b  # (t, H, b) index
+        tok = (b * T + ti) * H + hd  # (b, t, H) index
+        dp = tl.load(dp_ptr + step * DK * DV + tile)
+        h = tl.load(states_ptr + step * DK * DV + tile)
+        k, v = tl.load(k_ptr + tok * DK + rows), tl.load(v_ptr + tok * DV + cols)
+        f, gy = tl.load(f_ptr + tok), tl.load(gy_ptr + step * DV + cols)
+        g = tl.dot(tl.trans(h_prev), dp, input_precision=PRECISION)
+        gw += f * g
+        tl.store(gf_part_ptr + tok, tl.sum(tl.sum(w * g, axis=1), axis=0))
+        tl.store(gq_ptr + tok * DK + rows, tl.sum(h * gy[None, :], axis=1))
+        tl.store(gk_ptr + tok * DK + rows, tl.sum(dp * v[None, :], axis=1))
+        tl.store(gv_part_ptr + tok * DV + cols, tl.sum(k[:, None] * dp, axis=0))
+        h_prev = h
+    program = (b * H + hd) * tl.num_programs(2) + block
+    tl.store(gw_part_ptr + program * DV * DV + cols[:, None] * DV + cols[None, :], gw)
 
 
 def unsupported_reason(tensors: tuple[Tensor, ...], dk: int, dv: int, b: int, t: int) -> str | None:
@@ -174,13 +192,17 @@ def _dot_precision(device: torch.device) -> str:
 
 
 def _num_warps(dv: int) -> int:
-    # The (dv x dv) W tile held in registers wants ~32 fp32 values per thread at most: 4 warps up to
-    # 64 x 64, 8 beyond. The backward's grad_W accumulator is a second such tile and it keeps 4 warps
-    # anyway: compiled for sm_90 at dv = 64 it spills only 4 local loads per step inside the time loop
-    # (none at 8 warps), 8 warps made the backward before the accumulator 14% slower on an H200, and
-    # with it at 4 warps the R mixer takes 16.0 ms forward + backward against 17.9 before (8 warps
-    # not timed with it; BENCHMARKS.md).
+    # The forward and the backward's chain hold the (dv x dv) W tile in registers and want ~32 fp32
+    # values per thread at most: 4 warps up to 64 x 64, 8 beyond. At `small`'s sizes on an H200 the
+    # forward took 3.8 ms at 4 warps (2: 4.5, 8: 5.4), the chain 3.5 ms (2: +0.35).
     return 4 if dv * dv <= 4096 else 8
+
+
+def _grads_tiling(dk: int, dv: int) -> dict[str, int]:
+    """Warps and pipeline stages of the backward's gradients kernel, whose (dk x dv) tiles of dp and
+    h_{t-1} are staged in shared memory per stage. Up to 64 x 64: 4 warps, 3 stages (8 warps: +3.7 ms,
+    1 stage: +0.65 ms at `small`'s sizes); beyond, 8 warps and 1 stage to stay within sm_90's 227 KiB."""
+    return {"num_warps": 4, "num_stages": 3} if dk * dv <= 4096 else {"num_warps": 8, "num_stages": 1}
 
 
 def scan_fwd_triton(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
@@ -201,24 +223,31 @@ def scan_bwd_triton(
     grad_y: Tensor, grad_states: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Same contract as the reference `megacpp::m2rnn_scan_bwd`: grads of q, k, v, f, W, h0, contiguous,
-    in the inputs' layouts."""
+    in the inputs' layouts. Two launches: the chain through time, then every other gradient from the
+    dL/dp it stored (a (t, H, b, dk, dv) buffer like the states)."""
     q, k, v, f, W, h0, states, grad_y, grad_states = (
         x.contiguous() for x in (q, k, v, f, W, h0, states, grad_y, grad_states))
     b, t, n_heads, dk, dv = _check((q, k, v, f, W, h0, states, grad_y, grad_states), q, v)
-    grad_q, grad_k, grad_h0 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(h0)
-    grad_f_rows = torch.empty_like(q)  # (b, t, H, dk): grad_f before the sum over rows
-    n_blocks = dk // BLOCK_K
-    # Per-block partials of the sums over rows, added up below in a fixed order (no atomics):
-    # grad_v = k^T dp per token, grad_W = sum over (t, b, rows) of f_t h_{t-1}^T dp_t.
-    grad_v_part = q.new_empty(n_blocks, b, t, n_heads, dv)
-    grad_w_part = q.new_empty(b, n_heads, n_blocks, dv, dv)
+    precision = _dot_precision(q.device)
+    grad_pre, grad_h0 = torch.empty_like(states), torch.empty_like(h0)
     has_gs = grad_states.numel() > 0  # empty: no gradient reaches the states output (the usual case)
-    _bwd_kernel[(b, n_heads, n_blocks)](q, k, v, f, W, h0, states, grad_y, grad_states,
-                                        grad_q, grad_k, grad_f_rows, grad_v_part, grad_w_part, grad_h0,
-                                        t, n_heads, b, DK=dk, DV=dv, BLOCK=BLOCK_K,
-                                        PRECISION=_dot_precision(q.device), HAS_GS=has_gs,
-                                        num_warps=_num_warps(dv))
-    return grad_q, grad_k, grad_v_part.sum(0), grad_f_rows.sum(-1), grad_w_part.sum((0, 2)), grad_h0
+    _bwd_chain_kernel[(b, n_heads, dk // BLOCK_K)](q, f, W, states, grad_y, grad_states, grad_pre, grad_h0,
+                                                   t, n_heads, b, DK=dk, DV=dv, BLOCK=BLOCK_K,
+                                                   PRECISION=precision, HAS_GS=has_gs,
+                                                   num_warps=_num_warps(dv))
+    grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
+    rows = min(dk, GRADS_ROWS)
+    row_blocks = dk // rows
+    grid = (b, n_heads, triton.cdiv(t, GRADS_STEPS) * row_blocks)
+    # Partials, added up below in a fixed order (no atomics): grad_v and grad_f per row block, grad_W
+    # per program.
+    grad_v_part = v.new_empty(row_blocks, *v.shape)
+    grad_f_part = f.new_empty(row_blocks, *f.shape)
+    grad_w_part = q.new_empty(*grid, dv, dv)
+    _bwd_grads_kernel[grid](k, v, f, W, h0, states, grad_y, grad_pre, grad_q, grad_k, grad_v_part, grad_f_part,
+                            grad_w_part, t, n_heads, b, DK=dk, DV=dv, ROWS=rows, STEPS=GRADS_STEPS,
+                            PRECISION=precision, **_grads_tiling(rows, dv))
+    return grad_q, grad_k, grad_v_part.sum(0), grad_f_part.sum(0), grad_w_part.sum((0, 2)), grad_h0
 
 
 def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
