@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from megacpp.config import Config, ConfigError, apply_overrides
-from megacpp.model.mamba3 import Mamba3, Mamba3Config, _segmented_cumsum
+from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.segments import document_segments
 from megacpp.ops import mamba3_fused
 from megacpp.ops.mamba3_fused import (
@@ -323,7 +323,10 @@ def _old_mixer_forward(mixer: Mamba3, u: torch.Tensor, doc_ids) -> torch.Tensor:
     angle_step = torch.pi * torch.tanh(theta.float())[:, :, None, :] * dt[..., None]
     B = mixer.B_norm(B.float().view(b, t, g, n)).repeat_interleave(h // g, dim=2) + mixer.B_bias
     C = mixer.C_norm(C.float().view(b, t, g, n)).repeat_interleave(h // g, dim=2) + mixer.C_bias
-    angles = _segmented_cumsum(angle_step, document_segments(doc_ids).start_offsets)
+    # The angles' document-restarting cumsum as the mixer wrote it then (dim 1, autograd).
+    total = angle_step.cumsum(dim=1)
+    starts = document_segments(doc_ids).start_offsets
+    angles = total - (total - angle_step).gather(1, starts[:, :, None, None].expand_as(angle_step))
     y = mamba3_scan(x.view(b, t, h, p), rotate_pairs(B, angles), rotate_pairs(C, angles), A * dt, dt,
                     torch.sigmoid(trap.float()), D=mixer.D, z=z.view(b, t, h, p), doc_ids=doc_ids,
                     chunk_size=mixer.cfg.chunk_size)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megacpp.model.hints import collect_param_hints
-from megacpp.model.mamba3 import Mamba3, Mamba3Config, _segmented_cumsum
+from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import (
     config_from_mamba_ssm,
     config_to_mamba_ssm,
@@ -76,51 +76,6 @@ def test_tier3_packed_documents_are_isolated():
         packed = mixer(x, document_segments(doc_ids))
         for lo, hi in spans(bounds):
             assert_close_scaled(packed[:, lo:hi], mixer(x[:, lo:hi]), F32_TOL)
-
-
-@pytest.mark.parametrize("gather_backward", [False, True])
-def test_tier3_segmented_cumsum_restarts_per_document(gather_backward: bool):
-    step = torch.randn(2, 9, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(30))
-    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [7, 7, 7, 7, 7, 7, 3, 3, 3]])
-    out = _segmented_cumsum(step, document_segments(doc_ids).start_offsets, gather_backward)
-    assert out.is_contiguous()
-    for row, bounds in ((0, [0, 3, 5, 9]), (1, [0, 6, 9])):
-        for lo, hi in spans(bounds):
-            assert_close_scaled(out[row, lo:hi], step[row, lo:hi].cumsum(0), 1e-12)
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_tier2_segmented_cumsum_gather_backward_matches_autograd(compiled: bool):
-    """The CUDA default (sums with t last, a hand-written backward of gathers, no scatter-add) against
-    the reference formula and autograd, on CPU: the forward is the same sums in the same order (equal
-    bit for bit eagerly), the gradients sum the same terms in another order, so they agree to float32
-    roundoff (1e-6 of the largest: up to 40 terms of magnitude <= 4 in each sum); and each position's
-    gradient is the sum of the output's over the rest of its document (float64). Without documents too,
-    and under torch.compile(fullgraph=True)."""
-    gen = torch.Generator().manual_seed(32)
-    doc_ids = torch.tensor([[0] * 13 + [1] * 4 + [2] * 23, [5] * 40, [1, 2] * 5 + [3] * 30])
-    step = torch.randn(3, 40, 2, 5, generator=gen, requires_grad=True)
-    cotangent = torch.randn(3, 40, 2, 5, generator=gen)
-    for starts in (document_segments(doc_ids).start_offsets, None):
-        def run(gather_backward: bool, starts=starts):
-            fn = _segmented_cumsum
-            if compiled:
-                torch._dynamo.reset()
-                fn = torch.compile(_segmented_cumsum, fullgraph=True, backend="inductor")
-            out = fn(step, starts, gather_backward)
-            return out, torch.autograd.grad(out, step, cotangent)[0]
-
-        (out_ref, grad_ref), (out, grad) = run(False), run(True)
-        if not compiled:
-            assert torch.equal(out, out_ref)
-        assert_close_scaled(out, out_ref, 1e-6)
-        assert_close_scaled(grad, grad_ref, 1e-6)
-        if starts is None:
-            continue
-        for row in range(3):
-            for lo, hi in spans(torch.unique_consecutive(starts[row]).tolist() + [40]):
-                want = cotangent[row, lo:hi].double().flip(0).cumsum(0).flip(0)
-                assert_close_scaled(grad[row, lo:hi].double(), want, 1e-6)
 
 
 def test_tier3_rotation_is_complex_multiplication_of_interleaved_pairs():

@@ -7,7 +7,7 @@ the data-dependent rotation and the trapezoidal scan, as one op with two impleme
 
 Shapes: x, z (b, t, h, p) in the activation dtype; B, C (b, t, g, n) per group, RMS-normed but without
 the per-head bias; B_bias, C_bias (h, n); theta (b, t, h, n_angles), the cumulative rotation angles
-(the mixer's `_segmented_cumsum`); adt, dt, lam (b, t, h); D (h,); doc_ids (b, t) integer. The
+(`megacpp.ops.mamba3_angles.document_angles`); adt, dt, lam (b, t, h); D (h,); doc_ids (b, t) integer. The
 initial and final states are `mamba3_scan`'s, with B_prev per head, biased and rotated (b, h, n).
 
 - `mamba3_fused_scan_reference` is exactly what the mixer computed before this op existed (bias,
