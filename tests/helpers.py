@@ -1,10 +1,17 @@
 """Shared test helpers: a synthetic C++ corpus and a training config small enough for CI."""
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from megacpp.config import Config, apply_overrides
 from megacpp.presets import preset
+
+REPO = Path(__file__).resolve().parents[1]
 
 _SNIPPETS = [
     "#include <vector>\n#include <string>\n",
@@ -74,3 +81,15 @@ def documents(bounds: list[int]) -> torch.Tensor:
 
 def spans(bounds: list[int]) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def interpreted_report(module: str, timeout: float) -> dict:
+    """Run `module._report()` in a subprocess under Triton's CPU interpreter and return the JSON it
+    prints last. TRITON_INTERPRET=1 only takes effect before triton is imported, and torch or another
+    test may already have imported it in this process; the timeout turns a hang into a failure."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", f"from {module} import _report; _report()"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+

@@ -15,16 +15,13 @@ wrong term was off by O(max|reference|) (checked by mutating the kernel).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megacpp.ops import m2rnn_triton
 from megacpp.ops.m2rnn_scan import _scan_bwd, _scan_fwd
+from tests.helpers import interpreted_report
 
 EPS = 2.0**-23
 # (b, t, H, dk, dv): odd b and t, one and several heads, one, two and four row blocks (dk 16, 32, 64);
@@ -34,7 +31,6 @@ EPS = 2.0**-23
 CASES = [(1, 1, 1, 16, 16), (3, 7, 3, 32, 16), (2, 33, 1, 16, 32), (1, 7, 3, 32, 32), (2, 5, 1, 64, 16),
          (2, 70, 2, 16, 16), (2, 3, 1, 128, 16)]
 NAMES = ["y", "states", "grad_q", "grad_k", "grad_v", "grad_f", "grad_W", "grad_h0"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _inputs(b: int, t: int, n_heads: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -75,11 +71,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def errors_by_case() -> dict[str, dict[str, list[float]]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", "from tests.test_m2rnn_triton import _report; _report()"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_m2rnn_triton", timeout=300)
 
 
 @pytest.mark.parametrize("states_grad", [True, False], ids=["states_grad", "no_states_grad"])

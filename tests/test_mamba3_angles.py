@@ -28,10 +28,6 @@ late in the backward, dL/drate with head 0's dt, dL/ddt without rate.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,10 +38,10 @@ from megacpp.ops.mamba3_angles import (
     document_angles_bwd_reference,
     document_angles_reference,
 )
+from tests.helpers import interpreted_report
 
 EPS = 2.0**-23
 EPS64 = 2.0**-52
-REPO = Path(__file__).resolve().parents[1]
 # (b, t, h, A, documents, tokens per block of both kernels; None: the launchers' defaults, 128 forward and
 # 256 backward for these A). Odd t: 1 (one partial block), 7, 70 (a full and a partial block of 64), 131
 # (three blocks of 64), 300 (three forward and two backward blocks at the defaults); one and three heads;
@@ -167,11 +163,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", "from tests.test_mamba3_angles import _report; _report()"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_mamba3_angles", timeout=300)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -26,10 +26,6 @@ the GPU rounds); y's cotangent is given in bfloat16 there, as autograd hands it 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,8 +45,8 @@ from megacpp.ops.mamba3_fused import (
 from megacpp.ops.mamba3_scan import mamba3_scan, mamba3_scan_sequential
 from megacpp.presets import preset
 from megacpp.validate import validate_config
+from tests.helpers import interpreted_report
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 BF16_STORE = 2.0**-7
 # (b, t, h, g, p, n, n_angles, chunk, doc resets, initial state, x/z dtype): odd lengths and lengths
@@ -232,11 +228,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", "from tests.test_mamba3_fused import _report; _report()"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_mamba3_fused", timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -197,19 +197,23 @@ if triton is not None:
         return tl.sum(tl.where(rows[:, None] == BT - 1, x, 0.0), 0)
 
     @triton.jit
+    def _program(rate_ptr, dt_ptr, so_ptr, H, A, s_rb, s_ra, s_db, s_dh, s_sb, BT: tl.constexpr, AP: tl.constexpr):
+        """This program's batch row and head, the block's row and column indices, the column mask, and
+        the row-start pointers of rate (b, :, a), dt (b, :, hd) and start_offsets (b, :)."""
+        pid = tl.program_id(0)
+        b = tl.cast(pid // H, tl.int64)  # products with strides pass int32 at full size
+        hd = tl.cast(pid % H, tl.int64)
+        cols = tl.arange(0, AP)
+        return (b, hd, tl.arange(0, BT), cols, cols < A, rate_ptr + b * s_rb + cols[None, :] * s_ra,
+                dt_ptr + b * s_db + hd * s_dh, so_ptr + b * s_sb)
+
+    @triton.jit
     def _fwd_kernel(rate_ptr, dt_ptr, so_ptr, theta_ptr, T, H, A,
                     s_rb, s_rt, s_ra, s_db, s_dt, s_dh, s_sb, s_st,
                     BT: tl.constexpr, AP: tl.constexpr, HAS_DOCS: tl.constexpr):
         """One (batch row, head): theta for every t, walking t in blocks of BT tokens."""
-        pid = tl.program_id(0)
-        b = tl.cast(pid // H, tl.int64)  # products with strides pass int32 at full size
-        hd = tl.cast(pid % H, tl.int64)
-        rows = tl.arange(0, BT)
-        cols = tl.arange(0, AP)
-        cmask = cols < A
-        rate_row = rate_ptr + b * s_rb + cols[None, :] * s_ra
-        dt_row = dt_ptr + b * s_db + hd * s_dh
-        so_row = so_ptr + b * s_sb
+        b, hd, rows, cols, cmask, rate_row, dt_row, so_row = _program(
+            rate_ptr, dt_ptr, so_ptr, H, A, s_rb, s_ra, s_db, s_dh, s_sb, BT, AP)
         theta_row = theta_ptr + (b * T * H + hd) * A + cols[None, :]  # theta[b, t, hd, a]: ((b T + t) H + hd) A + a
         carry = tl.zeros((AP,), dtype=tl.float32)
         for t0 in range(0, T, BT):
@@ -236,15 +240,8 @@ if triton is not None:
         (restarting at document ends); stores d_dt[b, t, hd] = sum_a r * rate and this head's share of
         d_rate, r * dt, at d_rate_part[hd, b, t, :]. Row i of a block is token t0 + BT - 1 - i, so the
         reverse sum is a forward scan of the block's rows."""
-        pid = tl.program_id(0)
-        b = tl.cast(pid // H, tl.int64)
-        hd = tl.cast(pid % H, tl.int64)
-        rows = tl.arange(0, BT)
-        cols = tl.arange(0, AP)
-        cmask = cols < A
-        rate_row = rate_ptr + b * s_rb + cols[None, :] * s_ra
-        dt_row = dt_ptr + b * s_db + hd * s_dh
-        so_row = so_ptr + b * s_sb
+        b, hd, rows, cols, cmask, rate_row, dt_row, so_row = _program(
+            rate_ptr, dt_ptr, so_ptr, H, A, s_rb, s_ra, s_db, s_dh, s_sb, BT, AP)
         g_row = g_ptr + b * s_gb + hd * s_gh + cols[None, :] * s_ga
         d_dt_row = d_dt_ptr + b * T * H + hd  # d_dt[b, t, hd]: (b T + t) H + hd
         part_row = d_rate_part_ptr + (hd * B + b) * T * A + cols[None, :]  # part[hd, b, t, a]
