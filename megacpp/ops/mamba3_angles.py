@@ -55,11 +55,10 @@ except ImportError:  # no triton (CPU-only installs): the references serve every
 
 # Tokens per block of the kernels' walk along t, the largest (BT, padded A) fp32 tile of a program, and
 # warps per program. At `small`'s sizes (b16 t2048 h24 A32, 1% document starts) on an H200 (do_bench,
-# the kernel alone) the forward
-# took 0.132 ms at BT 64 / 4 warps, 0.088 at 128 / 4 (256 / 4: 0.083, 128 / 8: 0.114); the backward
-# 0.234 ms at 64 / 4, 0.151 at 128 / 2 and 0.130 at 256 / 2 (256 / 4: 0.198), plus 0.037 ms for the sum
-# over heads. Fewer tokens per block where A is wide keep the tile, and so the registers per thread, the
-# same.
+# the kernel alone) the forward took 0.132 ms at BT 64 / 4 warps, 0.088 at 128 / 4 (256 / 4: 0.083,
+# 128 / 8: 0.114); the backward 0.234 ms at 64 / 4, 0.151 at 128 / 2 and 0.130 at 256 / 2 (256 / 4:
+# 0.198), plus 0.037 ms for the sum over heads. Fewer tokens per block where A is wide keep the tile, and
+# so the registers per thread, the same.
 FWD_BLOCK_T, FWD_MAX_TILE, FWD_WARPS = 128, 4096, 4
 BWD_BLOCK_T, BWD_MAX_TILE, BWD_WARPS = 256, 8192, 2
 
