@@ -17,9 +17,9 @@ walk in reverse (a reverse segmented cumsum of dL/dtheta, restarting at document
 dL/ddt directly and each head's share of dL/drate, summed over heads afterwards in a fixed order:
 gradients by scans and plain sums, no scatter and no atomics, so every result is run-to-run bitwise
 identical. At b16 t2048 h24 A32 with 1% document starts on an H200 (profiler, GPU time of a compiled
-forward + backward from theta_raw and dt), the torch path (step, `_segmented_cumsum`, autograd) took
-0.695 ms, this op 0.247 ms (forward kernel 0.076, backward kernel 0.131, sum over heads 0.032, tanh
-0.007); without documents 0.453 and 0.198 ms.
+forward + backward from theta_raw and dt), the torch path it replaced (the step, a cumsum with t moved
+last and back, a gather backward) took 0.695 ms, this op 0.247 ms (forward kernel 0.076, backward
+kernel 0.131, sum over heads 0.032, tanh 0.007); without documents 0.453 and 0.198 ms.
 
     document_angles(rate, dt, start_offsets=None) -> theta (b, t, h, A), contiguous
 
@@ -31,9 +31,9 @@ travels as None through the ops, their fake and autograd registrations and torch
 kernels compile a variant without the restart flags for it.
 
 - `document_angles_reference` / `document_angles_bwd_reference` are the pure-PyTorch implementations
-  (CPU, and CUDA inputs the kernels do not take). The forward is the mixer's CPU path operation for
-  operation (`_segmented_cumsum` with gather_backward=False on the same step), so CPU results do not
-  change when the mixer switches to this op.
+  (CPU, and CUDA inputs the kernels do not take). The mixer's CPU path calls the forward reference
+  directly as torch ops (autograd through them): it is the formula the mixer used before this op,
+  operation for operation, so CPU results did not change.
 - `megacpp::mamba3_document_angles` (forward) and `megacpp::mamba3_document_angles_bwd` (backward) are
   the custom ops: fake implementations and a registered autograd formula, so under torch.compile the
   angles are one opaque node each way, without graph break. When triton imports, the kernels below are
@@ -78,9 +78,8 @@ def _document_ends(start_offsets: Tensor) -> Tensor:
 
 def document_angles_reference(rate: Tensor, dt: Tensor, start_offsets: Tensor | None) -> Tensor:
     """theta (b, t, h, A), contiguous, in float32 (float64 for float64 inputs). Builds the (b, t, h, A)
-    step and sums it exactly as the mixer's CPU path did (`megacpp.model.mamba3._segmented_cumsum`,
-    gather_backward=False): the inclusive cumsum along t minus its exclusive value at the document's
-    first token."""
+    step and sums it as the mixer did before this op existed: the inclusive cumsum along t minus its
+    exclusive value at the document's first token. The mixer's CPU path calls it directly."""
     dtype = _compute_dtype(rate, dt)
     step = rate.to(dtype)[:, :, None, :] * dt.to(dtype)[..., None]
     total = step.cumsum(dim=1)
