@@ -291,7 +291,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--parts", default="anchors,sublayers,experts,head,optimizer,small,dense",
-                   help="comma-separated subset of the default, measured in the order given")
+                   help="comma-separated subset of the default, measured in the order given "
+                   "(also nanochat or mamba_ssm: one of the two anchors)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every megacpp row, e.g. --set model.mamba.scan_kernel=reference")
     p.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run of the script)")
@@ -323,6 +324,8 @@ def main() -> None:
     measure = {
         "anchors": lambda: bench_nanochat(args.batch, args.seq, args.iters, dev)
         + bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev),
+        "nanochat": lambda: bench_nanochat(args.batch, args.seq, args.iters, dev),
+        "mamba_ssm": lambda: bench_mamba_ssm(cfg, args.batch, args.seq, args.iters, dev),
         "sublayers": lambda: bench_sublayers(cfg, args.batch, args.seq, args.iters, dev),
         "experts": lambda: bench_experts(cfg, cfg.model.d_model, args.batch, args.seq, args.iters, dev),
         "optimizer": lambda: head_and_optimizer({"optimizer"}),

@@ -26,7 +26,7 @@ chunks, is elementwise (`_chain_kernel`: v <- qL v + what the chunk adds, one mu
 entry and chunk). On an H200 at `small`'s sizes with bf16 operands this took the forward from 2.93 to
 1.10 ms against kernels that walked the chunks in order with the products on the chain (BENCHMARKS.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
-columns are independent. No software pipelining in the multiplying kernels (num_stages 1).
+columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads.
 `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = fp32 (p, n) per chunk boundary):
@@ -192,14 +192,15 @@ def _fwd_state_kernel(
 
 
 @triton.jit
-def _chain_kernel(slots_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
-                  REVERSE: tl.constexpr):
+def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.constexpr,
+                  HAS_START: tl.constexpr, REVERSE: tl.constexpr):
     """Program (batch row * head, block of BLOCK state entries): a state's chain over the chunks,
-    elementwise. Slot c holds what chunk c adds; it is replaced by the value entering chunk c and the
-    chain goes on as v ← qL(c) v + that, from `start` (or zero) to `end`. Forward (the state): in chunk
-    order, entering = before the chunk. REVERSE (dL/dstate): from the last chunk down, entering = the
-    gradient of the chunk's exit state. The only sequential work is one multiply-add per entry and
-    chunk; the products that fill the slots run chunk-parallel."""
+    elementwise. Slot c holds what chunk c adds (fp32); the value entering chunk c goes to slot c of
+    `out` (in out's dtype; `out` may be `slots` itself) and the chain goes on in fp32 as
+    v ← qL(c) v + that, from `start` (or zero) to `end`. Forward (the state): in chunk order, entering =
+    before the chunk. REVERSE (dL/dstate): from the last chunk down, entering = the gradient of the
+    chunk's exit state. The only sequential work is one multiply-add per entry and chunk; the products
+    that fill the slots run chunk-parallel."""
     bh = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
@@ -208,6 +209,7 @@ def _chain_kernel(slots_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.co
     else:
         v = tl.zeros((BLOCK,), dtype=tl.float32)
     slots = slots_ptr + bh * NC * PN + offs
+    outs = out_ptr + bh * NC * PN + offs
     decays = decay_ptr + bh * NC
     first = NC - 1 if REVERSE else 0
     added = tl.load(slots + first * PN, mask=mask, other=0.0)
@@ -217,7 +219,7 @@ def _chain_kernel(slots_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.co
         # chain waits on memory latency once, not once per chunk.
         after = c - 1 if REVERSE else c + 1
         upcoming = tl.load(slots + after * PN, mask=mask & (offs * 0 + i + 1 < NC), other=0.0)
-        tl.store(slots + c * PN, v, mask=mask)
+        tl.store(outs + c * PN, v.to(out_ptr.dtype.element_ty), mask=mask)
         v = tl.load(decays + c) * v + added
         added = upcoming
     tl.store(end_ptr + bh * PN + offs, v, mask=mask)
@@ -493,8 +495,10 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     the chunk backward 4.78 against 5.01 ms for 64 instead of 32 columns per block; the output kernel
     0.62 ms at 8 warps against 0.82 at 4; the dB/dC/dΘ kernel, which walks a group's heads, 1.65 ms at
     4 warps against 1.72 at 8 with bf16 operands, although the sm_90 compile reports 0.7 KB of spills
-    there; fp32 operands, which were not timed, keep 8 warps: at 4 they would spill 3.2 KB) and checked
-    with benchmarks/check_mamba3_resources.py for sm_90 (shared memory well under the limit)."""
+    there, and 1.29 against 1.44 ms with two stages, which load the next head's tiles while this one's
+    multiply, against 2.40 with three; fp32 operands, which were not timed, keep 8 warps and one stage:
+    at 4 warps they would spill 3.2 KB) and checked with benchmarks/check_mamba3_resources.py for sm_90
+    (shared memory well under the limit)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     wide = min(_pow2(d_state // 2, 8), 64)
@@ -503,7 +507,8 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
         "fwd_scan": Tiling(block_p, pairs, 8),
         "bwd_state": Tiling(block_p, wide, 8),
         "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if chunk_size <= 32 else 8),
-        "bwd_bc": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if matmul_dtype.itemsize == 2 else 8),
+        "bwd_bc": (Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4, 2) if matmul_dtype.itemsize == 2
+                   else Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 8)),
     }
 
 
@@ -537,6 +542,15 @@ def _rows_unit_stride(v: Tensor) -> Tensor:
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
+def _entering_buffer(added: Tensor, matmul_dtype: torch.dtype) -> Tensor:
+    """Where the chain writes every chunk's entering state (or state gradient): in the operand dtype,
+    since the products that read it round it to that anyway. Narrower than fp32, it halves what the
+    chain writes, what three kernels read and what the forward saves (400 to 200 MB per `small` M
+    layer with bf16 operands); in fp32 it is the slots themselves, overwritten in place."""
+    return added if matmul_dtype == torch.float32 else torch.empty(added.shape, dtype=matmul_dtype,
+                                                                    device=added.device)
+
+
 def _sizes(x: Tensor, B: Tensor, theta: Tensor, chunk_size: int) -> tuple[int, ...]:
     b, t, h, p = x.shape
     g, n = B.shape[2:]
@@ -564,7 +578,8 @@ def fused_fwd(
         v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D))
     f32 = torch.float32
     y = x.new_empty(b, t, h, p)
-    states = x.new_empty(b, h, nc, p, n, dtype=f32)
+    added = x.new_empty(b, h, nc, p, n, dtype=f32)  # what each chunk adds to the state
+    states = _entering_buffer(added, matmul_dtype)
     final = x.new_empty(b, h, p, n, dtype=f32)
     s0 = initial.to(f32).contiguous() if initial is not None else final  # unread without HAS_INIT
     decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
@@ -572,10 +587,10 @@ def fused_fwd(
     rows = (*x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3])
     st = tiling["fwd_state"]
     launch(Launch(_fwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
-        x, B, B_bias, theta, log_decay, sigma, states, decay, t, h, h // g, nc, *rows[:3], *rows[6:9],
+        x, B, B_bias, theta, log_decay, sigma, added, decay, t, h, h // g, nc, *rows[:3], *rows[6:9],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
     launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
-        states, decay, s0, final, nc, p * n,
+        added, states, decay, s0, final, nc, p * n,
     ), dict(BLOCK=CHAIN_BLOCK, HAS_START=initial is not None, REVERSE=False, num_warps=CHAIN_WARPS)))
     launch(Launch(_fwd_scan_kernel, (nc, b * h), (
         x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, t, h, h // g, nc, *rows,
@@ -597,18 +612,19 @@ def fused_bwd(
     B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y = (
         v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y))
     f32 = torch.float32
-    grad_states = torch.empty_like(states)
+    grad_added = torch.empty(states.shape, dtype=f32, device=states.device)  # what each chunk adds to dL/dS
+    grad_states = _entering_buffer(grad_added, matmul_dtype)
     grad_init = x.new_empty(b, h, p, n, dtype=f32)
     gfinal = grad_final.to(f32).contiguous() if grad_final is not None else grad_init  # unread without it
     tiling = tilings(p, n, chunk_size, matmul_dtype)
     decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
     st = tiling["bwd_state"]
     launch(Launch(_bwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, grad_states, decay,
+        z, C, C_bias, theta, log_decay, grad_y, grad_added, decay,
         t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
     launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
-        grad_states, decay, gfinal, grad_init, nc, p * n,
+        grad_added, grad_states, decay, gfinal, grad_init, nc, p * n,
     ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, num_warps=CHAIN_WARPS)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
