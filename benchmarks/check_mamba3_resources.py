@@ -80,9 +80,9 @@ def mixer_launches(preset: str, batch: int, seq: int, act: torch.dtype, matmul: 
     D = torch.empty(h, **f32)
     recorded: list[Launch] = []
     chunk = cfg.mamba.chunk_size
-    y, _, states = mamba3_triton.fused_fwd(x, z, B, C, bias, bias, theta, per_token, per_token, per_token, D, None,
-                                           chunk, matmul, launch=recorded.append)
-    mamba3_triton.fused_bwd(x, z, B, C, bias, bias, theta, per_token, per_token, per_token, D, states,
+    y, _, states, y_pre = mamba3_triton.fused_fwd(x, z, B, C, bias, bias, theta, per_token, per_token, per_token, D,
+                                                  None, chunk, matmul, launch=recorded.append)
+    mamba3_triton.fused_bwd(x, z, B, C, bias, bias, theta, per_token, per_token, per_token, D, states, y_pre,
                             torch.empty_like(y), None, chunk, matmul, launch=recorded.append)
     return recorded
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -11,14 +12,17 @@ import torch._functorch.config
 import torch._inductor.config
 from filelock import FileLock
 
+import megacpp.ops
 from megacpp.compile.cache import (
     LOCK,
     MANIFEST,
+    OPS_CACHE_KEY,
     CacheBusy,
     CacheError,
     content_digest,
     export_cache,
     import_cache,
+    ops_source_digest,
     setup_inductor_cache,
 )
 
@@ -63,6 +67,22 @@ def test_writable_root_is_used_and_caches_switched_on(tmp_path, monkeypatch):
     assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
     monkeypatch.setenv("MEGACPP_CACHE_DIR", str(tmp_path / "root"))
     assert setup_inductor_cache().path == (tmp_path / "root" / "inductor").resolve()
+
+
+def test_tier1_cache_keys_carry_the_custom_ops_source_digest(tmp_path):
+    setup_inductor_cache(tmp_path)
+    assert torch._inductor.config.unsafe_marked_cacheable_functions[OPS_CACHE_KEY] == ops_source_digest()
+    ops = tmp_path / "ops"
+    shutil.copytree(Path(megacpp.ops.__file__).parent, ops, ignore=shutil.ignore_patterns("__pycache__"))
+    before = ops_source_digest(ops)
+    assert len(before) == 16 and before == ops_source_digest()
+    (ops / "notes.txt").write_text("not a source file")
+    assert ops_source_digest(ops) == before
+    with open(ops / "mamba3_fused.py", "a") as f:
+        f.write("# one more line\n")
+    changed = ops_source_digest(ops)
+    (ops / "mamba3_fused.py").rename(ops / "mamba3_fused_v2.py")
+    assert len({before, changed, ops_source_digest(ops)}) == 3
 
 
 def test_export_import_round_trip_and_equal_hash_skips(tmp_path):

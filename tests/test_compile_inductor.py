@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +53,7 @@ def test_standin_compiles_with_inductor_without_breaks_or_recompiles(mode):
 
 _CHILD = textwrap.dedent(
     """
-    import json, sys, torch
+    import json, os, sys, torch
     from megacpp.compile.cache import import_cache, setup_inductor_cache
     from megacpp.compile.config import CompileConfig
     from megacpp.compile.regions import compile_model
@@ -60,21 +62,29 @@ _CHILD = textwrap.dedent(
     status = setup_inductor_cache(sys.argv[1])
     result = import_cache(sys.argv[2]) if len(sys.argv) > 2 else None
     torch.manual_seed(0)
-    model = build_standin("F")
+    model = build_standin(os.environ.get("STANDIN", "F"))
     compile_model(model, CompileConfig(mode="model", backend="inductor"))
     model(**random_token_batch(64, 4, 16)).backward()
     counters = torch._dynamo.utils.counters
     print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"],
                       "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
-                      "imported": result.action if result else None}))
+                      "imported": result.action if result else None,
+                      "megacpp": __import__("megacpp").__file__}))
     """
 )
 
 
-def _child(*args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _child(*args: str, package_root: Path = REPO, standin: str = "F") -> dict:
+    """Run _CHILD with megacpp imported from package_root (the tests from this checkout), from a neutral
+    working directory (`python -c` puts it first on sys.path)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", STANDIN=standin,
+               PYTHONPATH=os.pathsep.join(dict.fromkeys((str(package_root), str(REPO)))))
     env.pop("TORCHINDUCTOR_CACHE_DIR")
-    out = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, check=True,
+                         timeout=600, cwd=Path(args[0]).parent)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -86,3 +96,19 @@ def test_exported_cache_warms_another_process(tmp_path):
     warm = _child(str(tmp_path / "host-b"), str(tmp_path / "shared"))
     assert warm["imported"] == "imported"
     assert warm["hits"] >= 1 and warm["aot_hits"] >= 1
+
+
+def test_tier2_changed_custom_op_source_misses_the_warm_cache(tmp_path):
+    """An upgrade that changes megacpp/ops (here: one byte appended to a copy of the package) must not
+    get graphs compiled for the old ops from a warm cache: the R block's custom ops are in the graph."""
+    cache = str(tmp_path / "cache")
+    cold = _child(cache, standin="R")
+    warm = _child(cache, standin="R")
+    assert cold["aot_hits"] == 0 and warm["aot_hits"] >= 1 and warm["hits"] >= 1
+    upgraded = tmp_path / "upgraded"
+    shutil.copytree(REPO / "megacpp", upgraded / "megacpp", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(upgraded / "megacpp" / "ops" / "m2rnn_scan.py", "a") as f:
+        f.write("\n# changed\n")
+    after = _child(cache, package_root=upgraded, standin="R")
+    assert after["megacpp"] == str(upgraded / "megacpp" / "__init__.py")
+    assert after["aot_hits"] == 0 and after["hits"] == 0, (cold, warm, after)

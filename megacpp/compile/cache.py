@@ -4,7 +4,8 @@ The cache directory is set explicitly at entry: an explicit root, else $MEGACPP_
 user-set $TORCHINDUCTOR_CACHE_DIR (not torch's /tmp default, which importing torch._dynamo writes into
 that variable), else ~/.cache/megacpp; ``<root>/inductor`` must be writable (checked
 by writing a probe file, not by permission bits: root ignores them), otherwise a process-private
-temporary directory is used and the status says why. FX graph and AOTAutograd caches are switched on.
+temporary directory is used and the status says why. FX graph and AOTAutograd caches are switched on,
+with their keys tied to the source of megacpp's custom ops (`ops_source_digest`).
 Triton kernels land under the same directory (Inductor's default ``<cache>/triton``).
 
 Export copies the cache directory (plus PyTorch's Mega-Cache artifact bytes where the version gate
@@ -115,6 +116,19 @@ def _choose(root: str | Path | None) -> tuple[Path, str, str | None]:
     return path, source, writable_reason(path)
 
 
+OPS_CACHE_KEY = "torch.ops.megacpp"  # the entry of Inductor's unsafe_marked_cacheable_functions we own
+
+
+def ops_source_digest(ops_dir: Path | None = None) -> str:
+    """16 hex digits of sha256 over the names and bytes of the custom ops' sources, megacpp/ops/*.py
+    (or ops_dir's)."""
+    root = ops_dir or Path(__file__).resolve().parent.parent / "ops"
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def setup_inductor_cache(root: str | Path | None = None) -> CacheStatus:
     """Choose and export TORCHINDUCTOR_CACHE_DIR, switch FX graph and AOTAutograd caches on.
 
@@ -133,6 +147,13 @@ def setup_inductor_cache(root: str | Path | None = None) -> CacheStatus:
 
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
+    # A cached graph holds each custom op's call and what its Python autograd formula saves for the
+    # backward, but neither cache hashes that Python: after an upgrade that changed an op's outputs, a
+    # warm cache handed back graphs built for the old ones (an IndexError at the first step). Entries
+    # of this Inductor setting enter both caches' keys, so the ops' source digest there turns such an
+    # upgrade into a cache miss.
+    marked = torch._inductor.config.unsafe_marked_cacheable_functions
+    torch._inductor.config.unsafe_marked_cacheable_functions = {**marked, OPS_CACHE_KEY: ops_source_digest()}
     return CacheStatus(path.resolve(), source, reason)
 
 

@@ -159,8 +159,8 @@ def _triton_scan(
     # Token t's key weight takes β̃_{t+1} (the trapezoid's second endpoint); the kernels' diagonal uses γ.
     sigma = gamma + F.pad(beta_tilde[:, 1:], (0, 0, 0, 1))
     init = _augmented_initial_state(initial_state, beta_tilde[:, 0], 1, f32)
-    y, H, _ = _fused_fwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, init, chunk_size,
-                         matmul_dtype or f32)
+    y, H, _, _ = _fused_fwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, init, chunk_size,
+                            matmul_dtype or f32)
     if not return_final_state:
         return y
     B_last = rotate_pairs(biased_heads(B[:, -1], B_bias), theta[:, -1])
@@ -185,10 +185,10 @@ def _fused_fwd(
     x: Tensor, z: Tensor, B: Tensor, C: Tensor, B_bias: Tensor, C_bias: Tensor, theta: Tensor,
     log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, initial: Tensor | None, chunk_size: int,
     matmul_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gated output (b, t, h, p) in x's dtype; final state (b, h, p, n), fp32; every chunk's entering state
-    (b, h, chunks, p, n) in matmul_dtype (the products round it to that). log_decay is -inf where a
-    document starts; initial is the augmented state."""
+    (b, h, chunks, p, n) in matmul_dtype (the products round it to that); the output before the gate in
+    x's dtype (for dL/dz). log_decay is -inf where a document starts; initial is the augmented state."""
     return _kernels().fused_fwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, initial,
                                 chunk_size, matmul_dtype)
 
@@ -201,23 +201,23 @@ def _fused_fwd_fake(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, 
     chunks = (t + chunk_size - 1) // chunk_size
     f32 = torch.float32
     return (x.new_empty(b, t, h, p), x.new_empty(b, h, p, n, dtype=f32),
-            x.new_empty(b, h, chunks, p, n, dtype=matmul_dtype))
+            x.new_empty(b, h, chunks, p, n, dtype=matmul_dtype), x.new_empty(b, t, h, p))
 
 
 @torch.library.custom_op("megacpp::mamba3_fused_bwd", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _fused_bwd(
     x: Tensor, z: Tensor, B: Tensor, C: Tensor, B_bias: Tensor, C_bias: Tensor, theta: Tensor,
-    log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, states: Tensor, grad_y: Tensor,
+    log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, states: Tensor, y_pre: Tensor, grad_y: Tensor,
     grad_final: Tensor | None, chunk_size: int, matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the forward's eleven tensor inputs and of its initial state (fp32), contiguous."""
-    return _kernels().fused_bwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y,
-                                grad_final, chunk_size, matmul_dtype)
+    return _kernels().fused_bwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre,
+                                grad_y, grad_final, chunk_size, matmul_dtype)
 
 
 @_fused_bwd.register_fake
-def _fused_bwd_fake(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y, grad_final,
-                    chunk_size, matmul_dtype):
+def _fused_bwd_fake(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre, grad_y,
+                    grad_final, chunk_size, matmul_dtype):
     b, h, _, p, n = states.shape
     like = (x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D)
     grads = tuple(torch.empty(v.shape, dtype=v.dtype, device=v.device) for v in like)
@@ -226,18 +226,19 @@ def _fused_bwd_fake(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, 
 
 def _setup_context(ctx, inputs, output) -> None:
     *tensors, initial, chunk_size, matmul_dtype = inputs
-    ctx.save_for_backward(*tensors, output[2])
+    ctx.save_for_backward(*tensors, output[2], output[3])
     ctx.chunk_size, ctx.matmul_dtype, ctx.has_initial = chunk_size, matmul_dtype, initial is not None
-    ctx.mark_non_differentiable(output[2])
+    ctx.mark_non_differentiable(output[2], output[3])
     # Unused outputs (the final state, the saved chunk states) get None, not a zero tensor to read.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y: Tensor | None, grad_final: Tensor | None, _grad_states: Tensor | None):
-    *tensors, states = ctx.saved_tensors
+def _backward(ctx, grad_y: Tensor | None, grad_final: Tensor | None, _grad_states: Tensor | None,
+              _grad_y_pre: Tensor | None):
+    *tensors, states, y_pre = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(tensors[0])
-    grads = _fused_bwd(*tensors, states, grad_y.contiguous(), grad_final, ctx.chunk_size, ctx.matmul_dtype)
+    grads = _fused_bwd(*tensors, states, y_pre, grad_y.contiguous(), grad_final, ctx.chunk_size, ctx.matmul_dtype)
     return (*grads[:-1], grads[-1] if ctx.has_initial else None, None, None)
 
 

@@ -29,22 +29,26 @@ The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread ov
 columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads.
 `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
 
-Kernels (programs over chunks c, batch rows b, heads h; "state" = fp32 (p, n) per chunk boundary):
-- forward: `_fwd_state_kernel` (column block, c, b·h) stores what chunk c adds to the state; the
-  chain turns those slots into every chunk's entering state and the final state; `_fwd_scan_kernel`
-  (c, b·h) writes chunk c's gated output from its entering state.
+Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
+- forward: `_fwd_state_kernel` (column block, c, b·h) stores what chunk c adds to the state (fp32);
+  the chain turns those slots into every chunk's entering state (in the operand dtype: every reader
+  rounds it to that) and the final state (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated
+  output from its entering state, and the output before the gate, which the backward reads for dL/dz.
 - backward: `_bwd_state_kernel` (column block, c, b·h) stores what chunk c adds to dL/dS on the way
-  back; the reverse chain turns them into dL/dS at every chunk's exit and dL/d(initial state);
-  `_bwd_chunk_kernel` (c, b·h) writes the gradients of x, z, the decays, σ, γ and D and stores
-  dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases' parts
-  of each head of the group, and dB, dC summed over those heads in order.
+  back and these columns' part of dL/dq (q: the decay from the entering state); the reverse chain
+  turns the slots into dL/dS at every chunk's exit and dL/d(initial state), and sums dL/dqL, the
+  gradient of each chunk's whole decay, in blocks of state entries; `_bwd_chunk_kernel` (c, b·h)
+  writes the gradients of x, z, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
+  `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases' parts of each head of the
+  group, and dB, dC summed over those heads in order. The chunk kernel is the register-bound one:
+  the terms that need the entering state are computed where the state is at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
 in a fixed order: no atomics anywhere, so every result is run-to-run deterministic.
 
 Matmul operands: fp32 as "tf32x3" (three TF32 tensor-core products, fp32-equivalent accuracy; "tf32"
 when torch allows TF32 for fp32 matmuls, as the reference's einsums would use; "ieee" before sm_80),
 or bf16/fp16 when the caller asks for activation-dtype matmuls (the mixer's `scan_matmuls =
-"activation"`); accumulation is fp32 always, and so are decays and states.
+"activation"`); accumulation is fp32 always, and so are decays and the chains' carries.
 Supported sizes and dtypes: `megacpp.ops.mamba3_fused.triton_unsupported_reason` (checked before a
 launch; that module imports without triton).
 """
@@ -192,15 +196,17 @@ def _fwd_state_kernel(
 
 
 @triton.jit
-def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLOCK: tl.constexpr,
-                  HAS_START: tl.constexpr, REVERSE: tl.constexpr):
+def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, other_ptr, dots_ptr, NC, PN,
+                  BLOCK: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr, DOTS: tl.constexpr):
     """Program (batch row * head, block of BLOCK state entries): a state's chain over the chunks,
     elementwise. Slot c holds what chunk c adds (fp32); the value entering chunk c goes to slot c of
     `out` (in out's dtype; `out` may be `slots` itself) and the chain goes on in fp32 as
     v ← qL(c) v + that, from `start` (or zero) to `end`. Forward (the state): in chunk order, entering =
     before the chunk. REVERSE (dL/dstate): from the last chunk down, entering = the gradient of the
     chunk's exit state. The only sequential work is one multiply-add per entry and chunk; the products
-    that fill the slots run chunk-parallel."""
+    that fill the slots run chunk-parallel. DOTS: also this block's part of Σ v ⊙ other for every
+    chunk, stored at dots[(batch row * head, chunk, block)]; with `other` the forward's entering states
+    that is dL/dqL, the gradient of the chunk's whole decay (its other uses are register-bound)."""
     bh = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < PN
@@ -211,15 +217,22 @@ def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLO
     slots = slots_ptr + bh * NC * PN + offs
     outs = out_ptr + bh * NC * PN + offs
     decays = decay_ptr + bh * NC
+    others = other_ptr + bh * NC * PN + offs
     first = NC - 1 if REVERSE else 0
     added = tl.load(slots + first * PN, mask=mask, other=0.0)
+    if DOTS:
+        other = tl.load(others + first * PN, mask=mask, other=0.0).to(tl.float32)
     for i in range(NC):
         c = NC - 1 - i if REVERSE else i
         # The next chunk's slot is loaded before this one is written: one load always in flight, so the
         # chain waits on memory latency once, not once per chunk.
         after = c - 1 if REVERSE else c + 1
-        upcoming = tl.load(slots + after * PN, mask=mask & (offs * 0 + i + 1 < NC), other=0.0)
+        more = mask & (offs * 0 + i + 1 < NC)
+        upcoming = tl.load(slots + after * PN, mask=more, other=0.0)
         tl.store(outs + c * PN, v.to(out_ptr.dtype.element_ty), mask=mask)
+        if DOTS:
+            tl.store(dots_ptr + (bh * NC + c) * tl.num_programs(1) + tl.program_id(1), tl.sum(v * other, 0))
+            other = tl.load(others + after * PN, mask=more, other=0.0).to(tl.float32)
         v = tl.load(decays + c) * v + added
         added = upcoming
     tl.store(end_ptr + bh * PN + offs, v, mask=mask)
@@ -227,7 +240,7 @@ def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, NC, PN, BLO
 
 @triton.jit
 def _fwd_scan_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr, states_ptr, y_ptr,
+    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr, states_ptr, y_ptr, ypre_ptr,
     T, H, REP, NC,
     sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
@@ -235,7 +248,8 @@ def _fwd_scan_kernel(
 ):
     """Program (chunk, batch row * head): the gated output of chunk c from the state entering it,
     y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x (W: decays, σ below the diagonal, γ on it), times silu(z);
-    chunks are independent here. The state dimension is walked in blocks of 2 KB columns."""
+    y before the gate is stored too, for dL/dz in the backward. Chunks are independent here. The state
+    dimension is walked in blocks of 2 KB columns."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     vmask_p = valid[:, None] & pmask[None, :]
     state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
@@ -260,6 +274,7 @@ def _fwd_scan_kernel(
                                                     gam[None, :]) * cb
     x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
     y = _dot(scores, x, MM, PREC) + q[:, None] * readout + tl.load(D_ptr + hd).to(tl.float32) * x
+    tl.store(ypre_ptr + (tok * P)[:, None] + rows_p[None, :], y.to(ypre_ptr.dtype.element_ty), mask=vmask_p)
     z = _load_rows(z_ptr, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p)
     y = y * z * tl.sigmoid(z)
     tl.store(y_ptr + (tok * P)[:, None] + rows_p[None, :], y.to(y_ptr.dtype.element_ty), mask=vmask_p)
@@ -276,7 +291,7 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, gstates_ptr, decay_ptr,
+    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr,
     T, H, REP, NC,
     sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
@@ -284,7 +299,10 @@ def _bwd_state_kernel(
 ):
     """Program (block of 2 KB state columns, chunk, batch row * head): what chunk c adds to dL/dS on
     its way back, Σ_t q_t dy_t C_tᵀ (q: the decay from the entering state to t), stored in chunk c's
-    slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL."""
+    slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL. Also these
+    columns' part of dL/dq_t = dy_t · (S C_t) (S: the state entering the chunk), in this column block's
+    slot of `dq` (column blocks, b, t, h), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel
+    has C and dy at hand and few registers live, where the chunk kernel is register-bound."""
     k0 = tl.program_id(0) * 2 * KB
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
@@ -297,9 +315,13 @@ def _bwd_state_kernel(
     cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
     cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
                   valid[:, None] & cmask[None, :], cmask, L, KB)
+    state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
+    smask = pmask[:, None] & cmask[None, :]
     # Transposed, like the forward's state.
-    _store_transposed(gstates_ptr, ((bi * H + hd) * NC + c) * P * N + rows_p * N, cols,
-                      _dot(tl.trans(cr), dy * q[:, None], MM, PREC), pmask[:, None] & cmask[None, :])
+    _store_transposed(gstates_ptr, state, cols, _dot(tl.trans(cr), dy * q[:, None], MM, PREC), smask)
+    readout = _dot(cr, tl.trans(_load_rows(states_ptr, state, cols, smask)), MM, PREC)  # S C_t, these columns
+    block_stride = tl.num_programs(2).to(tl.int64) * T  # dq: (column blocks, b, t, h)
+    tl.store(dq_ptr + tl.program_id(0) * block_stride + tok, tl.sum(dy * readout, 1), mask=valid)
 
 
 @triton.jit
@@ -323,9 +345,9 @@ def _angle_grad(g_rot, rot, R: tl.constexpr, KB: tl.constexpr):
 @triton.jit
 def _bwd_chunk_kernel(
     x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
-    states_ptr, gstates_ptr, gy_ptr,
+    ypre_ptr, gstates_ptr, gy_ptr, dq_ptr, dqL_ptr,
     gx_ptr, gz_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr, dcb_ptr,
-    T, H, REP, NC,
+    T, H, REP, NC, DQ_BLOCKS, DQL_BLOCKS,
     sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
@@ -333,10 +355,13 @@ def _bwd_chunk_kernel(
     """Every gradient of chunk c that is neither the state chain nor B's or C's. With W[i, j] =
     decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x and
     S_exit = qL S + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ
-    (G = dL/dS_exit); the log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk.
-    One pass over the state dimension in blocks sums its contractions (C Bᵀ, C Sᵀ, B Gᵀ, Σ G ⊙ S);
-    dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which writes dB, dC and dΘ. (One kernel doing
-    both held too many tiles at once: 255 registers and 576 B of spills at `small`, bf16 operands.)"""
+    (G = dL/dS_exit); the log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk
+    (dL/dq in DQ_BLOCKS column-block parts from `_bwd_state_kernel`, dL/dqL in DQL_BLOCKS parts from
+    the reverse chain). One pass over the state dimension in blocks sums its contractions (C Bᵀ,
+    B Gᵀ); y before the gate, for dL/dz, is the forward's. dL/d(C Bᵀ) = W ⊙ dP is stored for
+    `_bwd_bc_kernel`, which writes dB, dC and dΘ. This kernel is register-bound, so everything that
+    needs the entering state S is computed elsewhere: with bf16 operands at `small` on an H200 it went
+    from 1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps)."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
@@ -345,9 +370,7 @@ def _bwd_chunk_kernel(
     state = (bh * NC + c) * P * N + rows_p * N
 
     cb = tl.zeros((L, L), dtype=tl.float32)
-    cs = tl.zeros((L, PB), dtype=tl.float32)  # S C_t, the state readout
     bg = tl.zeros((L, PB), dtype=tl.float32)  # G B_t
-    dqL = 0.0
     for k0 in range(0, N, 2 * KB):
         cols = k0 + tl.arange(0, 2 * KB)
         cmask = cols < N
@@ -356,15 +379,12 @@ def _bwd_chunk_kernel(
         cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
         cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
         br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        s = _load_rows(states_ptr, state, cols, smask)
         g = _load_rows(gstates_ptr, state, cols, smask)
         cb += _dot(cr, tl.trans(br), MM, PREC)
-        cs += _dot(cr, tl.trans(s), MM, PREC)
         bg += _dot(br, tl.trans(g), MM, PREC)
-        dqL += tl.sum(tl.sum(g * s, 1), 0)
 
-    # Recompute y (before the gate) for dL/dz. The order below ends each tile's life early: the
-    # kernel is register-bound, and what is live together is what spills.
+    # The order below ends each tile's life early: the kernel is register-bound, and what is live
+    # together is what spills.
     A, seg, q, e, qL, start = _chunk_decays(ld_ptr, tok, valid, L)
     sig = tl.load(sig_ptr + tok, mask=valid, other=0.0)
     gam = tl.load(gam_ptr + tok, mask=valid, other=0.0)
@@ -373,12 +393,11 @@ def _bwd_chunk_kernel(
     Dh = tl.load(D_ptr + hd).to(tl.float32)
     x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
     scores = w * cb
-    y = _dot(scores, x, MM, PREC) + q[:, None] * cs + Dh * x
     dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
+    y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
     gz = gout * y * sz * (1.0 + z * (1.0 - sz))
     tl.store(gz_ptr + tok[:, None] * P + rows_p[None, :], gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
     tl.store(gD_ptr + bh * NC + c, tl.sum(tl.sum(dy * x, 1), 0))
-    dq = tl.sum(dy * cs, 1)
 
     # x: through the scores, the skip and the chunk's exit state.
     es = e * sig
@@ -397,10 +416,15 @@ def _bwd_chunk_kernel(
     tl.store(gsig_ptr + tok, tl.sum(dm, 0) + ves * e, mask=valid)
     r = dm * sig[None, :]
     de = ves * sig * e
+    dq = tl.zeros((L,), dtype=tl.float32)
+    dqL = 0.0
+    for part in range(DQL_BLOCKS):
+        dqL += tl.load(dqL_ptr + (bh * NC + c) * DQL_BLOCKS + part)
+    for part in range(DQ_BLOCKS):
+        dq += tl.load(dq_ptr + part * (tl.num_programs(1).to(tl.int64) * T) + tok, mask=valid, other=0.0)
     dA = tl.sum(r, 1) - tl.sum(r, 0) + dq * q - de
     dA += tl.where(rows == L - 1, tl.sum(de, 0) + dqL * qL, 0.0)
-    da = tl.sum(tl.where(rows[:, None] >= rows[None, :], dA[:, None], 0.0), 0)
-    tl.store(gld_ptr + tok, tl.where(start, 0.0, da), mask=valid)
+    tl.store(gld_ptr + tok, tl.where(start, 0.0, tl.cumsum(dA, 0, reverse=True)), mask=valid)
 
 
 @triton.jit
@@ -497,7 +521,10 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     4 warps against 1.72 at 8 with bf16 operands, although the sm_90 compile reports 0.7 KB of spills
     there, and 1.29 against 1.44 ms with two stages, which load the next head's tiles while this one's
     multiply, against 2.40 with three; fp32 operands, which were not timed, keep 8 warps and one stage:
-    at 4 warps they would spill 3.2 KB) and checked with benchmarks/check_mamba3_resources.py for sm_90
+    at 4 warps they would spill 3.2 KB; the chunk backward, once its state terms moved out, 1.33 ms at
+    4 warps against 1.68 at 8 with bf16 operands; the state backward, with the readout for dL/dq,
+    0.57 ms at 8 warps against 0.76 at 4 inside the compiled mixer, although alone it timed the other
+    way round, 0.98 against 0.74) and checked with benchmarks/check_mamba3_resources.py for sm_90
     (shared memory well under the limit)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
@@ -506,7 +533,8 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
         "fwd_state": Tiling(block_p, pairs, 4),
         "fwd_scan": Tiling(block_p, pairs, 8),
         "bwd_state": Tiling(block_p, wide, 8),
-        "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4 if chunk_size <= 32 else 8),
+        "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32),
+                            4 if chunk_size <= 32 or matmul_dtype.itemsize == 2 else 8),
         "bwd_bc": (Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4, 2) if matmul_dtype.itemsize == 2
                    else Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 8)),
     }
@@ -568,16 +596,18 @@ def fused_fwd(
     x: Tensor, z: Tensor, B: Tensor, C: Tensor, B_bias: Tensor, C_bias: Tensor, theta: Tensor,
     log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, initial: Tensor | None,
     chunk_size: int, matmul_dtype: torch.dtype, launch: Callable[[Launch], Any] = run_launch,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gated output (b, t, h, p) in x's dtype, final state (b, h, p, n) and every chunk's entering state
-    (b, h, chunks, p, n), both fp32. Contract: `megacpp::mamba3_fused_fwd` (mamba3_fused.py). `launch`
-    runs the kernel launch (benchmarks/check_mamba3_resources.py passes one that only records it)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gated output (b, t, h, p) in x's dtype, final state (b, h, p, n) in fp32, every chunk's entering
+    state (b, h, chunks, p, n) in matmul_dtype and the output before the gate (x's dtype, for the
+    backward). Contract: `megacpp::mamba3_fused_fwd` (mamba3_fused.py). `launch` runs the kernel launch
+    (benchmarks/check_mamba3_resources.py passes one that only records it)."""
     b, t, h, p, g, n, na, nc = _sizes(x, B, theta, chunk_size)
     x, z, B, C = (_rows_unit_stride(v) for v in (x, z, B, C))
     B_bias, C_bias, theta, log_decay, sigma, gamma, D = (
         v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D))
     f32 = torch.float32
     y = x.new_empty(b, t, h, p)
+    y_pre = x.new_empty(b, t, h, p)
     added = x.new_empty(b, h, nc, p, n, dtype=f32)  # what each chunk adds to the state
     states = _entering_buffer(added, matmul_dtype)
     final = x.new_empty(b, h, p, n, dtype=f32)
@@ -590,17 +620,17 @@ def fused_fwd(
         x, B, B_bias, theta, log_decay, sigma, added, decay, t, h, h // g, nc, *rows[:3], *rows[6:9],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
     launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
-        added, states, decay, s0, final, nc, p * n,
-    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=initial is not None, REVERSE=False, num_warps=CHAIN_WARPS)))
+        added, states, decay, s0, final, added, decay, nc, p * n,  # no DOTS: `other` and `dots` unread
+    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=initial is not None, REVERSE=False, DOTS=False, num_warps=CHAIN_WARPS)))
     launch(Launch(_fwd_scan_kernel, (nc, b * h), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, t, h, h // g, nc, *rows,
+        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, y_pre, t, h, h // g, nc, *rows,
     ), _meta(tiling["fwd_scan"], p, n, na, chunk_size, matmul_dtype, x.device)))
-    return y, final, states
+    return y, final, states, y_pre
 
 
 def fused_bwd(
     x: Tensor, z: Tensor, B: Tensor, C: Tensor, B_bias: Tensor, C_bias: Tensor, theta: Tensor,
-    log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, states: Tensor, grad_y: Tensor,
+    log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, states: Tensor, y_pre: Tensor, grad_y: Tensor,
     grad_final: Tensor | None, chunk_size: int, matmul_dtype: torch.dtype,
     launch: Callable[[Launch], Any] = run_launch,
 ) -> tuple[Tensor, ...]:
@@ -609,8 +639,8 @@ def fused_bwd(
     `megacpp::mamba3_fused_bwd` (mamba3_fused.py); `launch` as in `fused_fwd`."""
     b, t, h, p, g, n, na, nc = _sizes(x, B, theta, chunk_size)
     x, z, B, C = (_rows_unit_stride(v) for v in (x, z, B, C))
-    B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y = (
-        v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_y))
+    B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre, grad_y = (
+        v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre, grad_y))
     f32 = torch.float32
     grad_added = torch.empty(states.shape, dtype=f32, device=states.device)  # what each chunk adds to dL/dS
     grad_states = _entering_buffer(grad_added, matmul_dtype)
@@ -619,13 +649,17 @@ def fused_bwd(
     tiling = tilings(p, n, chunk_size, matmul_dtype)
     decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
     st = tiling["bwd_state"]
-    launch(Launch(_bwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, grad_added, decay,
+    dq_blocks = triton.cdiv(n, 2 * st.block_pairs)
+    grad_q_parts = x.new_empty(dq_blocks, b, t, h, dtype=f32)  # dL/dq per state-column block
+    launch(Launch(_bwd_state_kernel, (dq_blocks, nc, b * h), (
+        z, C, C_bias, theta, log_decay, grad_y, states, grad_added, decay, grad_q_parts,
         t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
-    launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
-        grad_added, grad_states, decay, gfinal, grad_init, nc, p * n,
-    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, num_warps=CHAIN_WARPS)))
+    dqL_blocks = triton.cdiv(p * n, CHAIN_BLOCK)
+    grad_qL_parts = x.new_empty(b, h, nc, dqL_blocks, dtype=f32)  # dL/dqL per block of state entries
+    launch(Launch(_chain_kernel, (b * h, dqL_blocks), (
+        grad_added, grad_states, decay, gfinal, grad_init, states, grad_qL_parts, nc, p * n,
+    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, DOTS=True, num_warps=CHAIN_WARPS)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
@@ -633,9 +667,9 @@ def fused_bwd(
     # dL/d(C Bᵀ) of every chunk, in the dtype the products round it to anyway (so the split changes no bit).
     grad_cb = x.new_empty(b, h, nc, chunk_size, chunk_size, dtype=matmul_dtype)
     launch(Launch(_bwd_chunk_kernel, (nc, b * h), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, grad_states, grad_y,
-        grad_x, grad_z, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
-        t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, y_pre, grad_states, grad_y,
+        grad_q_parts, grad_qL_parts, grad_x, grad_z, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
+        t, h, h // g, nc, dq_blocks, dqL_blocks, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
     ), _meta(tiling["bwd_chunk"], p, n, na, chunk_size, matmul_dtype, x.device)))
     grad_B = x.new_empty(b, t, g, n, dtype=f32)
     grad_C = x.new_empty(b, t, g, n, dtype=f32)
