@@ -291,7 +291,7 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr,
+    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr, dy_ptr,
     T, H, REP, NC,
     sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
@@ -302,14 +302,18 @@ def _bwd_state_kernel(
     slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL. Also these
     columns' part of dL/dq_t = dy_t · (S C_t) (S: the state entering the chunk), in this column block's
     slot of `dq` (column blocks, b, t, h), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel
-    has C and dy at hand and few registers live, where the chunk kernel is register-bound."""
+    has C and dy at hand and few registers live, where the chunk kernel is register-bound. The
+    column-0 programs store dy = dL/dy before the gate in dy's dtype, the operand dtype: `_bwd_bc_kernel`
+    only multiplies it, so it reads it instead of the gate's two inputs, with the same bits."""
     k0 = tl.program_id(0) * 2 * KB
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-    if k0 == 0:
-        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
     dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p,
                               valid[:, None] & pmask[None, :], P)
+    if k0 == 0:
+        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
+        tl.store(dy_ptr + (tok * P)[:, None] + rows_p[None, :], dy.to(dy_ptr.dtype.element_ty),
+                 mask=valid[:, None] & pmask[None, :])
     cols = k0 + tl.arange(0, 2 * KB)
     cmask = cols < N
     cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
@@ -429,11 +433,11 @@ def _bwd_chunk_kernel(
 
 @triton.jit
 def _bwd_bc_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
-    states_ptr, gstates_ptr, gy_ptr, dcb_ptr,
+    x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
+    states_ptr, gstates_ptr, dy_ptr, dcb_ptr,
     gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr,
     T, H, REP, NC,
-    sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -468,7 +472,7 @@ def _bwd_bc_kernel(
         _, _, q, e, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
         es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
         x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
-        dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
+        dy = _load_rows(dy_ptr, tok * P, rows_p, vmask_p)
         dcb = tl.load(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :])  # operands' dtype
         state = (bh * NC + c) * P * N + rows_p * N
         cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
@@ -651,8 +655,9 @@ def fused_bwd(
     st = tiling["bwd_state"]
     dq_blocks = triton.cdiv(n, 2 * st.block_pairs)
     grad_q_parts = x.new_empty(dq_blocks, b, t, h, dtype=f32)  # dL/dq per state-column block
+    grad_pre = x.new_empty(b, t, h, p, dtype=matmul_dtype)  # dL/dy before the gate, for the dB/dC kernel
     launch(Launch(_bwd_state_kernel, (dq_blocks, nc, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, states, grad_added, decay, grad_q_parts,
+        z, C, C_bias, theta, log_decay, grad_y, states, grad_added, decay, grad_q_parts, grad_pre,
         t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
     dqL_blocks = triton.cdiv(p * n, CHAIN_BLOCK)
@@ -678,9 +683,9 @@ def fused_bwd(
     grad_C_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     bc = tiling["bwd_bc"]
     launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * g), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, states, grad_states, grad_y, grad_cb,
+        x, B, C, B_bias, C_bias, theta, log_decay, sigma, states, grad_states, grad_pre, grad_cb,
         grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta,
-        t, h, h // g, nc, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+        t, h, h // g, nc, *x.stride()[:3], *B.stride()[:3], *C.stride()[:3],
     ), _meta(bc, p, n, na, chunk_size, matmul_dtype, x.device)))
     # Fixed-order reductions (no atomics): batch and chunks for the per-head biases and D.
     return (
