@@ -35,7 +35,8 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   rounds it to that) and the final state (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated
   output from its entering state, and the output before the gate, which the backward reads for dL/dz.
 - backward: `_bwd_state_kernel` (column block, c, b·h) stores what chunk c adds to dL/dS on the way
-  back and these columns' part of dL/dq (q: the decay from the entering state); the reverse chain
+  back, these columns' part of dL/dq (q: the decay from the entering state) and dL/dy before the
+  gate (operand dtype, for the dB/dC kernel, which only multiplies it); the reverse chain
   turns the slots into dL/dS at every chunk's exit and dL/d(initial state), and sums dL/dqL, the
   gradient of each chunk's whole decay, in blocks of state entries; `_bwd_chunk_kernel` (c, b·h)
   writes the gradients of x, z, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
@@ -443,7 +444,8 @@ def _bwd_bc_kernel(
 ):
     """Program (block of 2 KB state columns, chunk, batch row * group): dL/dB and dL/dC of those columns
     of chunk c, summed over the group's heads in order, back through each head's rotation, and each
-    head's angle and bias parts, from the chunk kernel's dL/d(C Bᵀ) and the state and its gradient:
+    head's angle and bias parts, from the chunk kernel's dL/d(C Bᵀ), the state backward's dy and the
+    state and its gradient:
     dC = dL/d(C Bᵀ) B + diag(q) dy S, dB = dL/d(C Bᵀ)ᵀ C + diag(eσ) x G (rotated; then unrotated).
     Columns are independent here, so the state dimension is spread over the grid. Summing the heads
     here rather than after the launch saves writing and reading back per-head fp32 gradients of B and C
