@@ -26,7 +26,8 @@ chunks, is elementwise (`_chain_kernel`: v <- qL v + what the chunk adds, one mu
 entry and chunk). On an H200 at `small`'s sizes with bf16 operands this took the forward from 2.93 to
 1.10 ms against kernels that walked the chunks in order with the products on the chain (BENCHMARKS.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
-columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads.
+columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads,
+with 16-bit operands.
 `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
