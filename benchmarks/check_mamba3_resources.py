@@ -13,7 +13,9 @@ running it. Each launch's arguments are then specialized as Triton's launcher do
 pointers, 16-byte aligned where their offset is; integers as i32/i64, marked divisible by 16 where
 they are; integers equal to 1 as constants), compiled for the target by the installed Triton, and
 measured: shared memory from the compiled kernel's metadata, registers per thread and spill bytes from
-`ptxas -v` as Triton's own backend runs it (same ptxas, same flags) on the kernel's PTX.
+`ptxas -v` as Triton's own backend runs it (same ptxas, same flags) on the kernel's PTX. Spills of a
+kernel launched with a register cap (`Tiling.max_registers`) are reported but not counted: the cap
+trades them for more programs per SM, and was timed that way.
 
 Modes: "fp32" (fp32 activations, fp32 matmul operands: "tf32x3", or "tf32" with --tf32), "bf16"
 (bf16 x/z under autocast, fp32 matmul operands: scan_matmuls "fp32"), "bf16-mm" (bf16 x/z and bf16
@@ -129,7 +131,7 @@ def _ptxas_report(kernel, target: GPUTarget, options: dict) -> str:
 
 def measure(launch: Launch, target: GPUTarget) -> Usage:
     signature, constexprs, attrs = specialize(launch)
-    options = {k: v for k, v in launch.meta.items() if k in ("num_warps", "num_stages")}
+    options = {k: v for k, v in launch.meta.items() if k in ("num_warps", "num_stages", "maxnreg")}
     kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target, options=options)
     log = _ptxas_report(kernel, target, options)
     regs = re.search(r"Used (\d+) registers", log)
@@ -140,11 +142,13 @@ def measure(launch: Launch, target: GPUTarget) -> Usage:
                  options["num_warps"] * 32)
 
 
-def problems(usage: Usage, max_shared: int, max_spill: int) -> list[str]:
+def problems(usage: Usage, max_shared: int, max_spill: int, capped: bool) -> list[str]:
+    """What is over budget. A kernel launched with a register cap (`maxnreg`) spills by choice: the cap
+    was timed against the spills, so they are not counted against it."""
     found = []
     if usage.shared > max_shared:
         found.append(f"shared {usage.shared} > {max_shared}")
-    if usage.spill_stores > max_spill:
+    if usage.spill_stores > max_spill and not capped:
         found.append(f"spills {usage.spill_stores} B > {max_spill}")
     if usage.registers * usage.threads > REGISTER_FILE:
         found.append(f"{usage.registers} registers x {usage.threads} threads > {REGISTER_FILE}")
@@ -165,7 +169,8 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
             for name, launch in zip(KERNELS, mixer_launches(preset, batch, seq, act, matmul), strict=True):
                 if target.arch < 80 and launch.meta.get("PREC") != "ieee":
                     launch = Launch(launch.kernel, launch.grid, launch.args, {**launch.meta, "PREC": "ieee"})
-                key = (name, repr(specialize(launch)), launch.meta.get("num_warps"), launch.meta.get("num_stages"))
+                cap = launch.meta.get("maxnreg")
+                key = (name, repr(specialize(launch)), launch.meta.get("num_warps"), launch.meta.get("num_stages"), cap)
                 started = time.perf_counter()
                 try:
                     usage = seen[key] if key in seen else measure(launch, target)
@@ -174,7 +179,7 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                     usage, why = None, [f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"]
                 else:
                     seen[key] = usage
-                    why = problems(usage, max_shared, max_spill)
+                    why = problems(usage, max_shared, max_spill, cap is not None)
                 bad += bool(why)
                 meta = launch.meta
                 cols = (f"{preset:<7}{mode:<9}{name:<11}{str(launch.grid):>16}{meta['num_warps']:>6}"
@@ -183,6 +188,8 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                     print(f"{cols}  FAIL {why[0]}", file=out, flush=True)
                     continue
                 verdict = "ok" if not why else "OVER: " + "; ".join(why)
+                if cap is not None:
+                    verdict += f" [capped at {cap} registers]"
                 print(f"{cols}{usage.shared:>8}{usage.registers:>6}{usage.spill_stores:>7}/{usage.spill_loads:<5}"
                       f"  {verdict} ({time.perf_counter() - started:.0f} s)", file=out, flush=True)
     return bad

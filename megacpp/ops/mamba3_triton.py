@@ -56,6 +56,7 @@ launch; that module imports without triton).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -293,7 +294,8 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 @triton.jit
 def _bwd_state_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr, dy_ptr,
+    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, ypre_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr, dy_ptr,
+    gz_ptr,
     T, H, REP, NC,
     sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
@@ -305,17 +307,21 @@ def _bwd_state_kernel(
     columns' part of dL/dq_t = dy_t · (S C_t) (S: the state entering the chunk), in this column block's
     slot of `dq` (column blocks, b, t, h), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel
     has C and dy at hand and few registers live, where the chunk kernel is register-bound. The
-    column-0 programs store dy = dL/dy before the gate in dy's dtype, the operand dtype: `_bwd_bc_kernel`
-    only multiplies it, so it reads it instead of the gate's two inputs, with the same bits."""
+    column-0 programs store the gate's gradients: dL/dz, and dy = dL/dy before the gate in the operand
+    dtype, which the chunk and dB/dC kernels read instead of the gate's inputs (the products round it
+    to that anyway)."""
     k0 = tl.program_id(0) * 2 * KB
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
     _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-    dy, _, _, _ = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p,
-                              valid[:, None] & pmask[None, :], P)
+    vmask_p = valid[:, None] & pmask[None, :]
+    dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
     if k0 == 0:
         tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
-        tl.store(dy_ptr + (tok * P)[:, None] + rows_p[None, :], dy.to(dy_ptr.dtype.element_ty),
-                 mask=valid[:, None] & pmask[None, :])
+        rows_out = (tok * P)[:, None] + rows_p[None, :]
+        tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
+        y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
+        gz = gout * y * sz * (1.0 + z * (1.0 - sz))
+        tl.store(gz_ptr + rows_out, gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
     cols = k0 + tl.arange(0, 2 * KB)
     cmask = cols < N
     cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
@@ -350,24 +356,24 @@ def _angle_grad(g_rot, rot, R: tl.constexpr, KB: tl.constexpr):
 
 @triton.jit
 def _bwd_chunk_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
-    ypre_ptr, gstates_ptr, gy_ptr, dq_ptr, dqL_ptr,
-    gx_ptr, gz_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr, dcb_ptr,
+    x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
+    gstates_ptr, dy_ptr, dq_ptr, dqL_ptr,
+    gx_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr, dcb_ptr,
     T, H, REP, NC, DQ_BLOCKS, DQL_BLOCKS,
-    sx_b, sx_t, sx_h, sz_b, sz_t, sz_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every gradient of chunk c that is neither the state chain nor B's or C's. With W[i, j] =
-    decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x and
-    S_exit = qL S + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ
+    """Every gradient of chunk c that is neither the state chain, the gate nor B's or C's. With
+    W[i, j] = decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x
+    and S_exit = qL S + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ
     (G = dL/dS_exit); the log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk
     (dL/dq in DQ_BLOCKS column-block parts from `_bwd_state_kernel`, dL/dqL in DQL_BLOCKS parts from
     the reverse chain). One pass over the state dimension in blocks sums its contractions (C Bᵀ,
-    B Gᵀ); y before the gate, for dL/dz, is the forward's. dL/d(C Bᵀ) = W ⊙ dP is stored for
-    `_bwd_bc_kernel`, which writes dB, dC and dΘ. This kernel is register-bound, so everything that
-    needs the entering state S is computed elsewhere: with bf16 operands at `small` on an H200 it went
-    from 1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps)."""
+    B Gᵀ); dy is the state backward's. dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which
+    writes dB, dC and dΘ. This kernel is register-bound, so everything that needs the entering state S
+    or the gate's inputs is computed elsewhere: with bf16 operands at `small` on an H200 it went from
+    1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps)."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
@@ -399,10 +405,7 @@ def _bwd_chunk_kernel(
     Dh = tl.load(D_ptr + hd).to(tl.float32)
     x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
     scores = w * cb
-    dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
-    y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
-    gz = gout * y * sz * (1.0 + z * (1.0 - sz))
-    tl.store(gz_ptr + tok[:, None] * P + rows_p[None, :], gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
+    dy = _load_rows(dy_ptr, tok * P, rows_p, vmask_p)
     tl.store(gD_ptr + bh * NC + c, tl.sum(tl.sum(dy * x, 1), 0))
 
     # x: through the scores, the skip and the chunk's exit state.
@@ -509,6 +512,7 @@ class Tiling:
     block_pairs: int
     num_warps: int
     num_stages: int = 1
+    max_registers: int | None = None  # per thread (Triton's maxnreg); None: the compiler's choice
 
 
 # State entries and warps per program of the chains over chunks (`_chain_kernel`).
@@ -520,31 +524,49 @@ def _pow2(size: int, least: int) -> int:
     return max(least, triton.next_power_of_2(size))
 
 
+@functools.cache
 def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> dict[str, Tiling]:
     """The tiling of each chunk-parallel kernel at these sizes: every program takes all of head_dim.
-    Picked by timing on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24; e.g.
-    the chunk backward 4.78 against 5.01 ms for 64 instead of 32 columns per block; the output kernel
-    0.62 ms at 8 warps against 0.82 at 4; the dB/dC/dΘ kernel, which walks a group's heads, 1.65 ms at
-    4 warps against 1.72 at 8 with bf16 operands, although the sm_90 compile reports 0.7 KB of spills
-    there, and 1.29 against 1.44 ms with two stages, which load the next head's tiles while this one's
-    multiply, against 2.40 with three; fp32 operands, which were not timed, keep 8 warps and one stage:
-    at 4 warps they would spill 3.2 KB; the chunk backward, once its state terms moved out, 1.33 ms at
-    4 warps against 1.68 at 8 with bf16 operands; the state backward, with the readout for dL/dq,
-    0.57 ms at 8 warps against 0.76 at 4 inside the compiled mixer, although alone it timed the other
-    way round, 0.98 against 0.74) and checked with benchmarks/check_mamba3_resources.py for sm_90
-    (shared memory well under the limit)."""
+    Picked by timing the compiled M mixer on an H200 at `small`'s sizes with bf16 operands
+    (BENCHMARKS.md, 2026-11-24), and checked with benchmarks/check_mamba3_resources.py for sm_90
+    (shared memory well under the limit). Cached: the ops run it at every call, on the host's critical
+    path. What decided each (kernel ms):
+    - state columns per block: the chunk backward 4.78 against 5.01 for 64 instead of 32 (an earlier
+      layout); the dB/dC kernel 1.23 against 1.37 (32 columns) and 1.83 (16).
+    - the output kernel: 8 warps, 0.62 against 0.82 at 4; capped at 80 registers with 16-bit operands
+      (3 programs per SM instead of 2; 40 bytes of spills), 0.50 against 0.65.
+    - the dB/dC kernel, which walks a group's heads: 4 warps, 1.65 against 1.72 at 8 with bf16
+      operands, and two stages (the next head's tiles load while this one's multiply), 1.29 against
+      1.44 with one and 2.40 with three. Register caps made it slower (168: 2.15). fp32 operands, not
+      timed, keep 8 warps and one stage: at 4 warps they would spill 3.2 KB.
+    - the chunk backward, 16-bit operands, chunks of 64: 8 warps capped at 128 registers (two programs
+      per SM, each with twice the warps), 0.91–0.93 against 0.99 at 4 warps uncapped; 4 warps capped
+      at 168 or 200: 2.47, 1.20. Smaller chunks keep 4 warps.
+    - the state backward: 8 warps, 0.57 against 0.76 at 4 in the mixer (alone it timed the other way
+      round, 0.98 against 0.74); a cap at 128 registers changed nothing (0.588 both)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     wide = min(_pow2(d_state // 2, 8), 64)
+    mid = min(_pow2(d_state // 2, 8), 32)
+    narrow = matmul_dtype.itemsize == 2
+    if not narrow:
+        chunk = Tiling(block_p, mid, 4 if chunk_size <= 32 else 8)
+    elif chunk_size == 64:
+        chunk = Tiling(block_p, mid, 8, max_registers=128)
+    else:
+        chunk = Tiling(block_p, mid, 4)
     return {
         "fwd_state": Tiling(block_p, pairs, 4),
-        "fwd_scan": Tiling(block_p, pairs, 8),
+        "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if narrow and chunk_size <= 64 else None),
         "bwd_state": Tiling(block_p, wide, 8),
-        "bwd_chunk": Tiling(block_p, min(_pow2(d_state // 2, 8), 32),
-                            4 if chunk_size <= 32 or matmul_dtype.itemsize == 2 else 8),
-        "bwd_bc": (Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 4, 2) if matmul_dtype.itemsize == 2
-                   else Tiling(block_p, min(_pow2(d_state // 2, 8), 32), 8)),
+        "bwd_chunk": chunk,
+        "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
     }
+
+
+@functools.cache
+def _has_tf32_cores(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def dot_precision(device: torch.device) -> str:
@@ -552,7 +574,7 @@ def dot_precision(device: torch.device) -> str:
     accuracy, deterministic) replaces "ieee" FMA loops, which are several times slower and need far more
     registers (the M2RNN kernels measured 2.4x); "tf32" exactly when torch's fp32 matmuls (the reference
     path's einsums) would use TF32; "ieee" before Ampere, which has no TF32 tensor cores."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if not _has_tf32_cores(device):
         return "ieee"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
@@ -596,7 +618,8 @@ def _meta(tiling: Tiling, p: int, n: int, na: int, chunk_size: int, matmul_dtype
           device: torch.device) -> dict[str, Any]:
     return dict(P=p, N=n, NA=na, L=chunk_size, PB=tiling.block_p, KB=tiling.block_pairs,
                 MM=_MM_CODES[matmul_dtype], PREC=dot_precision(device), num_warps=tiling.num_warps,
-                num_stages=tiling.num_stages)
+                num_stages=tiling.num_stages,
+                **({} if tiling.max_registers is None else {"maxnreg": tiling.max_registers}))
 
 
 def fused_fwd(
@@ -658,9 +681,10 @@ def fused_bwd(
     st = tiling["bwd_state"]
     dq_blocks = triton.cdiv(n, 2 * st.block_pairs)
     grad_q_parts = x.new_empty(dq_blocks, b, t, h, dtype=f32)  # dL/dq per state-column block
-    grad_pre = x.new_empty(b, t, h, p, dtype=matmul_dtype)  # dL/dy before the gate, for the dB/dC kernel
+    grad_pre = x.new_empty(b, t, h, p, dtype=matmul_dtype)  # dL/dy before the gate, for two kernels
+    grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     launch(Launch(_bwd_state_kernel, (dq_blocks, nc, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, states, grad_added, decay, grad_q_parts, grad_pre,
+        z, C, C_bias, theta, log_decay, grad_y, y_pre, states, grad_added, decay, grad_q_parts, grad_pre, grad_z,
         t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
     ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
     dqL_blocks = triton.cdiv(p * n, CHAIN_BLOCK)
@@ -669,15 +693,14 @@ def fused_bwd(
         grad_added, grad_states, decay, gfinal, grad_init, states, grad_qL_parts, nc, p * n,
     ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, DOTS=True, num_warps=CHAIN_WARPS)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
     grad_D_parts = x.new_empty(b, h, nc, dtype=f32)
     # dL/d(C Bᵀ) of every chunk, in the dtype the products round it to anyway (so the split changes no bit).
     grad_cb = x.new_empty(b, h, nc, chunk_size, chunk_size, dtype=matmul_dtype)
     launch(Launch(_bwd_chunk_kernel, (nc, b * h), (
-        x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, y_pre, grad_states, grad_y,
-        grad_q_parts, grad_qL_parts, grad_x, grad_z, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
-        t, h, h // g, nc, dq_blocks, dqL_blocks, *x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+        x, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, grad_states, grad_pre,
+        grad_q_parts, grad_qL_parts, grad_x, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
+        t, h, h // g, nc, dq_blocks, dqL_blocks, *x.stride()[:3], *B.stride()[:3], *C.stride()[:3],
     ), _meta(tiling["bwd_chunk"], p, n, na, chunk_size, matmul_dtype, x.device)))
     grad_B = x.new_empty(b, t, g, n, dtype=f32)
     grad_C = x.new_empty(b, t, g, n, dtype=f32)
