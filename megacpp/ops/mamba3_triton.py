@@ -27,7 +27,8 @@ entry and chunk). On an H200 at `small`'s sizes with bf16 operands this took the
 1.10 ms against kernels that walked the chunks in order with the products on the chain (BENCHMARKS.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
 columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads,
-with 16-bit operands.
+with 16-bit operands; register caps (Triton's maxnreg) on the output and chunk-backward kernels, with
+16-bit operands, where more programs per SM paid for a few spills (`tilings`).
 `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
@@ -36,14 +37,15 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   rounds it to that) and the final state (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated
   output from its entering state, and the output before the gate, which the backward reads for dL/dz.
 - backward: `_bwd_state_kernel` (column block, c, b·h) stores what chunk c adds to dL/dS on the way
-  back, these columns' part of dL/dq (q: the decay from the entering state) and dL/dy before the
-  gate (operand dtype, for the dB/dC kernel, which only multiplies it); the reverse chain
+  back, these columns' part of dL/dq (q: the decay from the entering state) and the gate's gradients,
+  dL/dz and dL/dy before the gate (operand dtype, for the two kernels below, which only multiply it
+  or use it where it is rounded anyway); the reverse chain
   turns the slots into dL/dS at every chunk's exit and dL/d(initial state), and sums dL/dqL, the
   gradient of each chunk's whole decay, in blocks of state entries; `_bwd_chunk_kernel` (c, b·h)
-  writes the gradients of x, z, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
+  writes the gradients of x, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
   `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases' parts of each head of the
-  group, and dB, dC summed over those heads in order. The chunk kernel is the register-bound one:
-  the terms that need the entering state are computed where the state is at hand.
+  group, and dB, dC summed over those heads in order. The chunk kernel is register-bound: the terms
+  that need the entering state or the gate's inputs are computed where those are at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
 in a fixed order: no atomics anywhere, so every result is run-to-run deterministic.
 
