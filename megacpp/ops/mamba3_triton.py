@@ -375,7 +375,8 @@ def _bwd_chunk_kernel(
     B Gᵀ); dy is the state backward's. dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which
     writes dB, dC and dΘ. This kernel is register-bound, so everything that needs the entering state S
     or the gate's inputs is computed elsewhere: with bf16 operands at `small` on an H200 it went from
-    1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps)."""
+    1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps), then 0.99
+    without the gate's terms (0.92 at 8 warps capped at 128 registers)."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
@@ -543,7 +544,7 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
       timed, keep 8 warps and one stage: at 4 warps they would spill 3.2 KB.
     - the chunk backward, 16-bit operands, chunks of 64: 8 warps capped at 128 registers (two programs
       per SM, each with twice the warps), 0.91–0.93 against 0.99 at 4 warps uncapped; 4 warps capped
-      at 168 or 200: 2.47, 1.20. Smaller chunks keep 4 warps.
+      at 168 or 200: 2.47, 1.20. Other sizes keep 4 warps (8 with fp32 operands and chunks over 32).
     - the state backward: 8 warps, 0.57 against 0.76 at 4 in the mixer (alone it timed the other way
       round, 0.98 against 0.74); a cap at 128 registers changed nothing (0.588 both)."""
     block_p = _pow2(head_dim, 16)
@@ -551,15 +552,16 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     wide = min(_pow2(d_state // 2, 8), 64)
     mid = min(_pow2(d_state // 2, 8), 32)
     narrow = matmul_dtype.itemsize == 2
-    if not narrow:
-        chunk = Tiling(block_p, mid, 4 if chunk_size <= 32 else 8)
-    elif chunk_size == 64:
+    # The register caps hold where they were timed: 16-bit operands, chunks of 64 and `small`'s tiles
+    # (head_dim 64, d_state 128). Bigger tiles would spill far more under them, smaller ones need no cap.
+    capped = narrow and chunk_size == 64 and block_p == 64 and 64 <= d_state <= 128
+    if capped:
         chunk = Tiling(block_p, mid, 8, max_registers=128)
     else:
-        chunk = Tiling(block_p, mid, 4)
+        chunk = Tiling(block_p, mid, 4 if chunk_size <= 32 or narrow else 8)
     return {
         "fwd_state": Tiling(block_p, pairs, 4),
-        "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if narrow and chunk_size <= 64 else None),
+        "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if capped else None),
         "bwd_state": Tiling(block_p, wide, 8),
         "bwd_chunk": chunk,
         "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
