@@ -59,8 +59,9 @@ launch; that module imports without triton).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -528,12 +529,12 @@ def _pow2(size: int, least: int) -> int:
 
 
 @functools.cache
-def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> dict[str, Tiling]:
+def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> Mapping[str, Tiling]:
     """The tiling of each chunk-parallel kernel at these sizes: every program takes all of head_dim.
     Picked by timing the compiled M mixer on an H200 at `small`'s sizes with bf16 operands
     (BENCHMARKS.md, 2026-11-24), and checked with benchmarks/check_mamba3_resources.py for sm_90
-    (shared memory well under the limit). Cached: the ops run it at every call, on the host's critical
-    path. What decided each (kernel ms):
+    (shared memory well under the limit). Cached, hence read-only: the ops run it at every call, on the
+    host's critical path. What decided each (kernel ms):
     - state columns per block: the chunk backward 4.78 against 5.01 for 64 instead of 32 (an earlier
       layout); the dB/dC kernel 1.23 against 1.37 (32 columns) and 1.83 (16).
     - the output kernel: 8 warps, 0.62 against 0.82 at 4; capped at 80 registers with 16-bit operands
@@ -559,13 +560,13 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
         chunk = Tiling(block_p, mid, 8, max_registers=128)
     else:
         chunk = Tiling(block_p, mid, 4 if chunk_size <= 32 or narrow else 8)
-    return {
+    return MappingProxyType({
         "fwd_state": Tiling(block_p, pairs, 4),
         "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if capped else None),
         "bwd_state": Tiling(block_p, wide, 8),
         "bwd_chunk": chunk,
         "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
-    }
+    })
 
 
 @functools.cache
