@@ -14,6 +14,7 @@ from megacpp.model.moe import (
     expert_capacity,
     grouped_expert_rows,
     padded_expert_rows,
+    permute_rows,
     token_choice_route,
 )
 
@@ -346,6 +347,21 @@ def _routes(b: int, t: int, k: int, n_exp: int, gen: torch.Generator, unused: in
     pool = [e for e in range(n_exp) if e != unused]
     picks = torch.stack([torch.randperm(len(pool), generator=gen)[:k] for _ in range(b * t)])
     return torch.tensor(pool)[picks].view(b, t, k)
+
+
+def test_tier1_permute_rows_is_a_gather_whose_gradient_is_the_inverse_gather():
+    """permute_rows(x, perm, inverse) is x[perm]; its gradient, formed by gathering through the inverse
+    permutation, equals autograd's scatter of x[perm]'s gradient, bitwise (a permutation moves values)."""
+    gen = torch.Generator().manual_seed(3)
+    x0, upstream = torch.randn(11, 5, generator=gen), torch.randn(11, 5, generator=gen)
+    perm = torch.randperm(11, generator=gen)
+    grads = []
+    for permute in (lambda x: permute_rows(x, perm, torch.argsort(perm)), lambda x: x[perm]):
+        x = x0.clone().requires_grad_()
+        y = permute(x)
+        (y * upstream).sum().backward()
+        grads.append((y.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 @pytest.mark.parametrize(("b", "t", "k", "n_exp", "unused"), [(2, 9, 2, 4, None), (3, 7, 3, 5, 2), (1, 13, 1, 6, 0)])

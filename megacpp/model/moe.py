@@ -119,6 +119,28 @@ def padded_expert_rows(
     return rows, keep.view(b, t, k), counts
 
 
+class _PermuteRows(torch.autograd.Function):
+    """rows[i] = x[index[i]] for a permutation `index` whose inverse is `inverse`. The backward is the
+    inverse permutation's gather, not the scatter-add autograd derives for a gather: both directions
+    are plain gathers (deterministic, no atomics), which Inductor fuses into the passes beside them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """x[index] along axis 0, differentiable through the inverse permutation `inverse` (index[inverse[j]]
+    == j for every j)."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
 def grouped_expert_rows(
     x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -127,8 +149,10 @@ def grouped_expert_rows(
     Same arguments and rows as `padded_expert_rows` (nothing is dropped, so no keep mask); rows come
     back in `dtype`. The b*t*k routed rows are put in expert order (a stable sort: within an expert,
     (row, token, slot) order), each projection is one grouped GEMM over the experts' contiguous row
-    ranges, and the rows go back to (token, slot) order. Every move is an ``index_copy`` to unique
-    destinations, so forward and backward (gathers) are deterministic. The number of rows is static;
+    ranges, and the rows go back to (token, slot) order. Both moves are gathers by a permutation whose
+    backward gathers by the inverse one (`permute_rows`): deterministic, and compiled, each fuses into
+    its neighbour (the cast and the k-fold copy of x; the caller's combine), where scattering into
+    zeroed buffers cost two extra passes over the routed rows each way. The number of rows is static;
     the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing."""
     b, t, k = expert_idx.shape
     d, n_exp = x.shape[-1], w_up.shape[0]
@@ -140,12 +164,12 @@ def grouped_expert_rows(
     counts = (flat.unsqueeze(-1) == torch.arange(n_exp, device=flat.device)).sum(dim=0)
     offs = counts.cumsum(dim=0).to(torch.int32)
     x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
-    x_sorted = x_rep.new_zeros(n, d).index_copy(0, position, x_rep)
+    x_sorted = permute_rows(x_rep, order, position)
     hidden = F.relu(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
     # h * h, not square(): under autocast square() becomes pow, which autocast runs in fp32, and
     # grouped_mm takes no fp32 operand next to bf16 weights.
     out_sorted = F.grouped_mm(hidden * hidden, w_down.to(dtype), offs=offs)
-    rows = out_sorted.new_zeros(n, d).index_copy(0, order, out_sorted)
+    rows = permute_rows(out_sorted, position, order)
     return rows.view(b, t, k, d), counts
 
 
