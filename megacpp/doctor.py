@@ -75,7 +75,7 @@ def kernel_report() -> list[str]:
     triton = package_version("triton")
     rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
                                          else "not used (CPU or not installed)"))
-    from megacpp.ops import m2rnn_scan, mamba3_angles, mamba3_fused
+    from megacpp.ops import m2rnn_scan, mamba3_angles, mamba3_fused, softcap_xent
 
     fused = m2rnn_scan.m2rnn_triton is not None and torch.cuda.is_available()
     rows.append("m2rnn_scan: " + ("fused Triton kernels on CUDA (reference for unsupported sizes)" if fused
@@ -87,6 +87,10 @@ def kernel_report() -> list[str]:
     fused = mamba3_angles.triton is not None and torch.cuda.is_available()
     rows.append("mamba3 angles: " + ("fused Triton kernels on CUDA (reference for unsupported inputs)" if fused
                                      else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
+    fused = softcap_xent.softcap_xent_triton is not None and torch.cuda.is_available()
+    rows.append("loss head: F.cross_entropy on the soft-capped logits by default; " + (
+        "fused Triton loss available on CUDA (model.loss_kernel = auto or triton)" if fused
+        else "no fused loss here (no CUDA or no triton)"))
     return rows
 
 

@@ -50,6 +50,9 @@ def small() -> Config:
     # The fused Triton scan on CUDA (the reference on CPU): at these sizes on an H200 the compiled M mixer
     # took 9.85 ms with it and 10.61 with the reference scan (BENCHMARKS.md, 2026-11-24).
     m.mamba.scan_kernel = "auto"
+    # The fused loss head on CUDA (the reference on CPU): the compiled head 11.2 -> 10.0 ms per step on an
+    # H200 at the same peak memory (BENCHMARKS.md, 2026-11-25).
+    m.loss_kernel = "auto"
     # shared expert + top-2 of 16, each 1024 wide: 3 x 2 x 768 x 1024 = 4.7M active, d12's MLP size
     m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 16, 2, 1024
     m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 6, 64, 64

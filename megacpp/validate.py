@@ -31,6 +31,7 @@ from megacpp.model.mamba3 import num_rope_angles
 from megacpp.model.moe import grouped_dispatch_problem
 from megacpp.model.pattern import PatternError, expand_pattern, validate_pattern
 from megacpp.ops.mamba3_fused import triton_size_reason
+from megacpp.ops.softcap_xent import MAX_CAP
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.schedule import WarmupStableDecay
 
@@ -302,6 +303,15 @@ def _mamba_triton_sizes(k: _Keys) -> None:
                              "model.mamba.head_dim"), f"the Triton scan kernels do not support this size: {reason}")
 
 
+def _fused_loss_cap(k: _Keys) -> None:
+    """loss_kernel "triton" asks for the fused loss, whose kernel needs a soft-cap in (0, MAX_CAP]; "auto"
+    would fall back to the reference silently, an explicit request should fail before the first step."""
+    cap = k.value("model.logit_softcap")
+    if k.value("model.loss_kernel") == "triton" and not 0 < cap <= MAX_CAP:
+        raise k.error_among(("model.loss_kernel", "model.logit_softcap"),
+                            f"the fused loss kernel needs a logit_softcap in (0, {MAX_CAP:g}], got {cap:g}")
+
+
 def _check_ordered(k: _Keys, low_key: str, high_key: str) -> None:
     if k.value(low_key) > k.value(high_key):
         low, high = low_key.rsplit(".", 1)[1], high_key.rsplit(".", 1)[1]
@@ -490,6 +500,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _mamba_groups_divide,
         _mamba_rope_angles,
         _mamba_triton_sizes,
+        _fused_loss_cap,
         _mamba_dt_range,
         _moe_top_k,
         _moe_grouped_dispatch,

@@ -9,6 +9,7 @@ from megacpp.model.ffn import FFNConfig
 from megacpp.model.m2rnn import M2RNNConfig
 from megacpp.model.mamba3 import Mamba3Config
 from megacpp.model.moe import MoEConfig
+from megacpp.ops.softcap_xent import LossKernel
 
 
 @dataclass
@@ -19,6 +20,11 @@ class ModelConfig:
     pattern: str = "AEMFR"
     norm_eps: float = 1e-6
     logit_softcap: float = 15.0  # final-logit soft cap; 0 = off
+    # Implementation of the training loss head (megacpp/ops/softcap_xent.py): "auto" runs the fused
+    # Triton loss on CUDA where it can (a soft-cap in (0, 40]) and the pure-PyTorch reference elsewhere
+    # (CPU always); "reference" and "triton" force one ("triton" fails where it cannot run). The library
+    # default stays "reference"; `small` and the GPU presets built on it turn "auto" on.
+    loss_kernel: LossKernel = "reference"
     mtp_depth: int = 0  # multi-token-prediction heads (0 = off)
     mtp_loss_weight: float = 0.3
     attention: AttentionConfig = field(default_factory=AttentionConfig)

@@ -20,6 +20,7 @@ from megacpp.model.engram import Engram, NgramHashEmbedding
 from megacpp.model.pattern import expand_pattern
 from megacpp.model.registry import BLOCK_KINDS
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, segments_of
+from megacpp.ops.softcap_xent import linear_softcap_cross_entropy, softcap
 
 IGNORE_INDEX = -1
 
@@ -133,9 +134,7 @@ class HybridLM(nn.Module):
         return x
 
     def logits(self, h: Tensor) -> Tensor:
-        logits = self.lm_head(self.norm_f(h)).float()
-        cap = self.cfg.logit_softcap
-        return cap * torch.tanh(logits / cap) if cap > 0 else logits
+        return softcap(self.lm_head(self.norm_f(h)), self.cfg.logit_softcap)
 
     def hidden(self, idx: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         x = self.embed(idx, segments)
@@ -157,7 +156,7 @@ class HybridLM(nn.Module):
     def loss(self, h: Tensor, targets: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """The training loss from the last hidden state: final norm, LM head, soft-cap, cross-entropy,
         plus the weighted loss of the MTP heads. One compiled region in ``blocks`` mode (`method_regions`)."""
-        loss = F.cross_entropy(self.logits(h).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss = self._head_loss(h, targets)
         if len(self.mtp) > 0:
             loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(h, targets, segments.index)
         return loss
@@ -171,9 +170,14 @@ class HybridLM(nn.Module):
             if document_index is not None:
                 same_doc = F.pad(document_index[:, k:] == document_index[:, :-k], (0, k), value=False)
                 shifted = torch.where(same_doc, shifted, torch.full_like(shifted, IGNORE_INDEX))
-            logits = self.logits(h)
-            losses.append(F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX))
+            losses.append(self._head_loss(h, shifted))
         return torch.stack(losses).mean()
+
+    def _head_loss(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of the soft-capped `logits(h)` against targets, through the implementation
+        `cfg.loss_kernel` picks (megacpp/ops/softcap_xent.py)."""
+        return linear_softcap_cross_entropy(self.norm_f(h).flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                            self.cfg.logit_softcap, IGNORE_INDEX, kernel=self.cfg.loss_kernel)
 
     # ------------------------------------------------------------------ decoding
 

@@ -302,9 +302,11 @@ def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokeniz
 
 # Model settings that change how the model is computed, or how its weights are kept in bounds after a
 # step, not what the weights are: a resume may change them (the trainer logs each change). `small` changed
-# two of them between releases (scan_matmuls, w_spectral_cap), which made its earlier runs unresumable.
+# three of them between releases (scan_matmuls, w_spectral_cap, loss_kernel); had they been refused, its
+# earlier runs would be unresumable.
 RESUMABLE_MODEL_SETTINGS = frozenset({
-    "attention.backend", "mamba.scan_kernel", "mamba.scan_matmuls", "moe.dispatch", "rnn.w_spectral_cap",
+    "attention.backend", "loss_kernel", "mamba.scan_kernel", "mamba.scan_matmuls", "moe.dispatch",
+    "rnn.w_spectral_cap",
 })
 
 
