@@ -50,7 +50,9 @@ def _rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, cap, inv_cap, ignore_inde
         u = tl.load(logits_row + start + cols, mask=inside, other=0.0).to(tl.float32)
         total += tl.where(inside, tl.exp(_softcap(u, cap, inv_cap) - cap), 0.0)
     lse = cap + tl.log(tl.sum(total, axis=0))
-    safe_target = tl.where(valid, target, 0)
+    # A target outside [0, V) other than ignore_index is the caller's error (F.cross_entropy raises; the
+    # embedding of the same ids already does in training): clamped, it can never read outside the row.
+    safe_target = tl.minimum(tl.maximum(tl.where(valid, target, 0), 0), V - 1)
     z_target = _softcap(tl.load(logits_row + safe_target).to(tl.float32), cap, inv_cap)
     tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
     # Each block is loaded before its gradient overwrites it, in this program alone: in place is safe.
