@@ -35,7 +35,7 @@ import torch
 from megacpp.config import Config, ConfigError, apply_overrides
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.segments import document_segments
-from megacpp.ops import mamba3_fused
+from megacpp.ops import mamba3_fused, triton_choice
 from megacpp.ops.mamba3_fused import (
     ScanKernelError,
     biased_heads,
@@ -319,7 +319,7 @@ def test_tier1_auto_on_cpu_is_the_reference(monkeypatch):
         raise AssertionError("the Triton path was taken on CPU")
 
     monkeypatch.setattr(mamba3_fused, "_triton_scan", no_triton)
-    monkeypatch.setattr(mamba3_fused, "_INTERPRETED", True)  # not even under the interpreter
+    monkeypatch.setattr(triton_choice, "INTERPRETED", True)  # not even under the interpreter
     inp = _mixer_inputs(2, 19, 2, 1, 8, 16, 4, seed=21)
     doc_ids = _doc_ids(2, 19, 8)
     for kernel in ("auto", "reference"):
@@ -367,7 +367,7 @@ def test_tier1_mixer_on_cpu_unchanged_by_the_fused_op(n_groups):
 
 
 def test_tier1_triton_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(mamba3_fused, "_INTERPRETED", False)
+    monkeypatch.setattr(triton_choice, "INTERPRETED", False)
     inp = _mixer_inputs(1, 5, 2, 1, 8, 16, 4, seed=24)
     with pytest.raises(ScanKernelError, match="need CUDA tensors, got cpu"):
         mamba3_fused_scan(**inp, kernel="triton")

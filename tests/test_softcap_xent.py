@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megacpp.config import Config, ConfigError, apply_overrides
 from megacpp.model.hybrid import IGNORE_INDEX, HybridLM
-from megacpp.ops import softcap_xent
+from megacpp.ops import softcap_xent, triton_choice
 from megacpp.ops.softcap_xent import (
     LossKernelError,
     linear_softcap_cross_entropy,
@@ -236,7 +236,7 @@ def test_tier1_kernel_choice_is_checked():
     x, weight = torch.ones(2, 4), torch.ones(3, 4)
     assert "soft-cap in (0, 40], got 0" in softcap_xent.fused_unsupported_reason(x, weight, 0.0)
     assert "one float dtype" in softcap_xent.fused_unsupported_reason(x, weight.double(), 15.0)
-    if softcap_xent.softcap_xent_triton is not None and not softcap_xent._INTERPRETED:
+    if softcap_xent.softcap_xent_triton is not None and not triton_choice.INTERPRETED:
         assert "needs CUDA tensors, got cpu" in softcap_xent.fused_unsupported_reason(x, weight, 15.0)
         with pytest.raises(LossKernelError, match="loss_kernel 'triton' cannot run this call: .*CUDA tensors"):
             linear_softcap_cross_entropy(x, weight, torch.zeros(2, dtype=torch.long), 15.0, IGNORE_INDEX,

@@ -26,9 +26,8 @@ tests run the kernels without a GPU.
 """
 from __future__ import annotations
 
-import os
 from types import ModuleType
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +35,14 @@ from torch import Tensor
 
 from megacpp.errors import MegacppError
 from megacpp.ops.mamba3_scan import State, _augmented_initial_state, _coefficients, _heads, mamba3_scan
+from megacpp.ops.triton_choice import TRITON_FLOATS, KernelChoice, asks_for_triton, triton_runs_on
 
 try:
     from megacpp.ops import mamba3_triton
 except ImportError:  # no triton (CPU-only installs): the reference serves every call
     mamba3_triton = None
 
-ScanKernel = Literal["auto", "reference", "triton"]
-# Read once at import, like triton itself does: under the interpreter the kernels run on CPU tensors.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+ScanKernel = KernelChoice
 # The kernels' limits: tl.dot tiles need powers of two >= 16 (smaller sizes are padded with masks), and
 # the register budget of one program bounds the (head_dim, d_state / 2) state halves.
 TRITON_CHUNK_SIZES = (16, 32, 64, 128)
@@ -114,12 +111,12 @@ def triton_unsupported_reason(
     dtypes, sizes; no data is read, so it traces under torch.compile)."""
     if mamba3_triton is None:
         return "triton is not importable"
-    if x.device.type != "cuda" and not (_INTERPRETED and x.device.type == "cpu"):
+    if not triton_runs_on(x.device):
         return f"the Triton kernels need CUDA tensors, got {x.device.type}"
-    if matmul_dtype is not None and matmul_dtype not in _FLOATS:
+    if matmul_dtype is not None and matmul_dtype not in TRITON_FLOATS:
         return f"matmul_dtype must be float32, bfloat16 or float16, got {matmul_dtype}"
     tensors = (x, z, B, C, B_bias, C_bias, theta, adt, dt, lam, D, *(initial_state or ()))
-    if any(v.dtype not in _FLOATS for v in tensors):
+    if any(v.dtype not in TRITON_FLOATS for v in tensors):
         return "float32, bfloat16 or float16 tensors only, got " + ", ".join(sorted({str(v.dtype) for v in tensors}))
     b, t = x.shape[:2]
     if b < 1 or t < 1:
@@ -137,8 +134,7 @@ def mamba3_fused_scan(
     if kernel not in get_args(ScanKernel):
         raise ScanKernelError(f"mamba3_fused_scan: kernel must be one of {get_args(ScanKernel)}, got {kernel!r}")
     args = (x, z, B, C, B_bias, C_bias, theta, adt, dt, lam, D)
-    # "auto" means CUDA only: the interpreter must never take over the CPU default path.
-    if kernel == "triton" or (kernel == "auto" and x.device.type == "cuda"):
+    if asks_for_triton(kernel, x.device):
         reason = triton_unsupported_reason(*args, initial_state, chunk_size, matmul_dtype)
         if reason is None:
             return _triton_scan(*args, doc_ids, initial_state, chunk_size, return_final_state, matmul_dtype)

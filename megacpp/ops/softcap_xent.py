@@ -24,25 +24,22 @@ kernel without a GPU.
 """
 from __future__ import annotations
 
-import os
 from types import ModuleType
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.errors import MegacppError
+from megacpp.ops.triton_choice import TRITON_FLOATS, KernelChoice, asks_for_triton, triton_runs_on
 
 try:
     from megacpp.ops import softcap_xent_triton
 except ImportError:  # no triton (CPU-only installs): the reference serves every call
     softcap_xent_triton = None
 
-LossKernel = Literal["auto", "reference", "triton"]
-# Read once at import, like triton itself does: under the interpreter the kernel runs on CPU tensors.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+LossKernel = KernelChoice
 # The kernel's largest soft-cap: it sums exp(z - cap) without a running maximum, and its smallest term
 # e^(-2 cap) must stay a normal fp32 number (megacpp/ops/softcap_xent_triton.py).
 MAX_CAP = 40.0
@@ -87,13 +84,13 @@ def fused_unsupported_reason(x: Tensor, weight: Tensor, cap: float) -> str | Non
     sizes, the cap; no data is read, so it traces under torch.compile)."""
     if not 0 < cap <= MAX_CAP:
         return f"the kernel needs a logit soft-cap in (0, {MAX_CAP:g}], got {cap:g}"
-    if x.dtype not in _FLOATS or weight.dtype != x.dtype:
+    if x.dtype not in TRITON_FLOATS or weight.dtype != x.dtype:
         return f"x and weight of one float dtype (float32, bfloat16, float16), got {x.dtype} and {weight.dtype}"
     if weight.shape[0] < 1:
         return "an empty vocabulary"
     if softcap_xent_triton is None:
         return "triton is not importable"
-    if x.device.type != "cuda" and not (_INTERPRETED and x.device.type == "cpu"):
+    if not triton_runs_on(x.device):
         return f"the Triton kernel needs CUDA tensors, got {x.device.type}"
     return None
 
@@ -105,8 +102,7 @@ def linear_softcap_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, cap
     if kernel not in get_args(LossKernel):
         raise LossKernelError(f"linear_softcap_cross_entropy: kernel must be one of {get_args(LossKernel)}, "
                               f"got {kernel!r}")
-    # "auto" means CUDA only: the interpreter must never take over the CPU default path.
-    if kernel == "triton" or (kernel == "auto" and x.device.type == "cuda"):
+    if asks_for_triton(kernel, x.device):
         # The operands F.linear would see: both in the autocast dtype when autocast is on for x's device.
         device = x.device.type
         if torch.is_autocast_enabled(device):
