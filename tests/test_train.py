@@ -105,7 +105,8 @@ def test_run_writes_metrics_plot_sample_and_keeps_last_k(tmp_path, small_corpus)
 
 
 def test_nan_loss_stops_with_step_and_sublayer_and_keeps_checkpoint(tmp_path, small_corpus):
-    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "5", "train.ckpt_every": "2"})
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "5", "train.ckpt_every": "2",
+                                                       "train.eval_every": "5"})
     trainer = Trainer(cfg, log=_quiet, progress=False)
     original = trainer.train_step
 
@@ -127,6 +128,11 @@ def test_nan_loss_stops_with_step_and_sublayer_and_keeps_checkpoint(tmp_path, sm
     assert "step 4" in msg and "nan" in msg
     assert "sublayer 2 (M: Mamba3)" in msg
     assert [p.name for p in good] == ["step_00000002"]
+    # Step 3's record waits for step 4 to be queued; the stop in step 4 still writes it.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in trained)
 
 
 def test_cli_bad_config_is_a_clear_error(tmp_path, capsys):

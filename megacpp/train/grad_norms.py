@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -62,9 +62,11 @@ class PartGradNorms:
         parts, blocks = norms_out[:len(self.names)], norms_out[len(self.names):]
         return dict(zip((f"grad_norm_{name}" for name in self.names), parts.unbind(0), strict=True)), blocks
 
-    def block_record(self, blocks: Tensor) -> dict[str, float]:
-        """Per-block norms as a metrics field: ``{"0A": ..., "1E": ..., ...}`` (one host read)."""
-        return dict(zip(self.block_labels, blocks.tolist(), strict=True))
+    def block_record(self, blocks: Tensor | Sequence[float]) -> dict[str, float]:
+        """Per-block norms (`measure`'s tensor, or its values already read) as a metrics field:
+        ``{"0A": ..., "1E": ..., ...}``."""
+        values = blocks.tolist() if isinstance(blocks, Tensor) else list(blocks)
+        return dict(zip(self.block_labels, values, strict=True))
 
 
 def topmost_inflated_block(blocks: dict[str, float], typical: dict[str, float], factor: float = 10.0) -> str | None:

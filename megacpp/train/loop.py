@@ -63,13 +63,9 @@ from megacpp.train.determinism import configure_mode, rng_state, seed_everything
 from megacpp.train.grad_norms import NormHistory, PartGradNorms, spike_summary
 from megacpp.train.interrupt import SigintFlag
 from megacpp.train.metrics import MetricsLogger, plot_loss
+from megacpp.train.readback import Readback
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 from megacpp.validate import validate_config
-
-
-def _floats(values: dict[str, Any]) -> dict[str, float]:
-    """Metric values as Python floats (0-D tensors are read once, when logged)."""
-    return {k: float(v) for k, v in values.items()}
 
 
 class NonFiniteLossError(MegacppError, RuntimeError):
@@ -108,6 +104,18 @@ def first_nonfinite_parameter(model: nn.Module) -> str | None:
         finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()
     bad = (~finite).nonzero()
     return named[int(bad[0])][0] if len(bad) else None
+
+
+@dataclass
+class PendingRecord:
+    """A step's metrics record whose device figures are on their way to the host. The loop writes it
+    a step later, when they have long arrived: reading them at once would wait for the optimizer step
+    queued after them and leave the GPU idle while the host queues the next forward."""
+    step: int
+    final: bool
+    host: dict[str, float]  # loss, tokens/s, elapsed time
+    device: Readback  # gradient norms and optimizer metrics
+    tail: dict[str, float]  # MFU and peak memory, last in the record
 
 
 @dataclass
@@ -374,24 +382,34 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step: grad_accum loader batches, each as batch_size / micro_batch micro-batches
-        of its rows; every micro-batch's mean loss is weighted by 1 / (number of micro-batches)."""
+        of its rows; every micro-batch's mean loss is weighted by 1 / (number of micro-batches).
+
+        The step's loss is read before the optimizer step (a non-finite loss stops the run before it
+        reaches the weights), but it is copied to the host behind the last forward, so waiting for it
+        does not wait for the last backward: the host queues the optimizer step while the GPU still
+        runs the backward (on `small` that step takes more host time than device time)."""
         tc = self.cfg.train
         micro_steps = tc.grad_accum * (tc.batch_size // self.micro_batch)
         total = torch.zeros((), device=self.device)
         last_batch = None
-        for _ in range(tc.grad_accum):
-            for x, y, doc_ids in micro_batches(next(self.data.loader), self.micro_batch):
+        loss_read = None
+        for accum in range(tc.grad_accum):
+            pieces = micro_batches(next(self.data.loader), self.micro_batch)
+            for index, (x, y, doc_ids) in enumerate(pieces):
                 if self.oom_hook and injected_oom(self.ctx.rank, self.micro_batch):
                     raise torch.OutOfMemoryError(f"{TEST_OOM_ENV}: injected at micro-batch {self.micro_batch}")
                 with autocast_context(self.device):
                     loss = self.model(x, y, doc_ids) / micro_steps
-                loss.backward()
                 total += loss.detach()
                 last_batch = (x, doc_ids)
+                if accum == tc.grad_accum - 1 and index == len(pieces) - 1:
+                    loss_read = Readback({"reduced": self.ctx.all_reduce_(total.clone()), "local": total})
+                loss.backward()
         self.reduce_statistics()
-        value = float(self.ctx.all_reduce_(total.clone()).item()) / self.ctx.world_size
+        read = loss_read.result()
+        value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
-            self._stop_nonfinite(value, float(total.item()), last_batch)
+            self._stop_nonfinite(value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         self.stack.step()
         run_after_optimizer_step(self.model)
@@ -458,17 +476,58 @@ class Trainer:
         raise Interrupted(f"{what}; {saved}; the run is complete (train.steps {steps}): nothing to resume{redo_hint}",
                           complete=True)
 
-    def _check_divergence(self, loss: float, grad_norm: float | None) -> None:
+    def _start_record(self, loss: float, tok_s: float, final: bool, flops: float, peak: float | None
+                      ) -> PendingRecord:
+        """The step's metrics record: its host figures now, its device figures (gradient norms,
+        optimizer metrics) copied behind the work that made them, to be read by `_write_record`."""
+        host = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / self.ctx.world_size,
+                "elapsed_s": self.elapsed()}
+        on_device: dict[str, Tensor | float] = {**self.stack.metrics, **self.grad_norms}
+        if self.block_grad_norms is not None:
+            on_device["block_grad_norms"] = self.block_grad_norms
+        tail = {}
+        if peak:
+            tail["mfu"] = flops * tok_s / self.ctx.world_size / peak
+        if self.device.type == "cuda":
+            tail["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return PendingRecord(self.step, final, host, Readback(on_device), tail)
+
+    def _write_record(self, pending: PendingRecord, metrics: MetricsLogger | None, bar: tqdm,
+                      val_bpb: float | None, check: bool = True) -> dict[str, str]:
+        """Check a step for divergence (``check``), log its record (every train.log_every steps, and
+        the last) and advance the progress bar; returns the bar's postfix."""
+        device = pending.device.result()
+        blocks = device.pop("block_grad_norms", None)
+        record: dict[str, Any] = {**pending.host, **device}
+        if blocks is not None:
+            record["block_grad_norms"] = self.part_grad_norms.block_record(blocks)
+        if "grad_norm" in record:
+            self.norm_history.append(pending.step, record["grad_norm"], record.get("block_grad_norms"))
+        record.update(pending.tail)
+        if check:
+            self._check_divergence(pending.step, record["loss"], record.get("grad_norm"))
+        if metrics is not None and (pending.step % self.cfg.train.log_every == 0 or pending.final):
+            metrics.log(pending.step, "train", record)
+        postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tok_per_s']:,.0f}"}
+        if "mfu" in record:
+            postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+        if val_bpb is not None:
+            postfix["val_bpb"] = f"{val_bpb:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+        return postfix
+
+    def _check_divergence(self, step: int, loss: float, grad_norm: float | None) -> None:
         """Stop a run that diverged without a NaN (the rule is at DIVERGED_FACTOR). Both values are
         global (the loss averaged over ranks, the norm of the sharded gradients): every rank agrees."""
         if grad_norm == 0.0:
-            raise DivergenceError(f"step {self.step}: the gradient norm is exactly 0: nothing is learning (a "
+            raise DivergenceError(f"step {step}: the gradient norm is exactly 0: nothing is learning (a "
                                   "detached loss, or every target ignored); the run was stopped")
         level = DIVERGED_FACTOR * uniform_loss(self.cfg.model)
         self.high_loss_steps = self.high_loss_steps + 1 if loss > level else 0
         if self.high_loss_steps >= DIVERGED_STEPS:
             raise DivergenceError(
-                f"step {self.step}: loss {loss:.3f} above {level:.3f} ({DIVERGED_FACTOR} x the uniform-prediction "
+                f"step {step}: loss {loss:.3f} above {level:.3f} ({DIVERGED_FACTOR} x the uniform-prediction "
                 f"loss ln({self.cfg.model.vocab_size})) for {DIVERGED_STEPS} consecutive steps: training diverged; "
                 f"lower the learning rates and resume from the last checkpoint under {self.out_dir / 'checkpoints'}")
 
@@ -508,6 +567,8 @@ class Trainer:
         compile_record: dict[str, Any] = {}
         sigint = after_warmup.enter_context(SigintFlag())
         out_of_time = False
+        pending: PendingRecord | None = None  # a step whose record waits for its device figures
+        postfix: dict[str, str] = {}
         try:
             t_last = self._t_start = time.perf_counter()
             warm = False
@@ -527,22 +588,15 @@ class Trainer:
                 now = time.perf_counter()
                 tok_s = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
-                record = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / ctx.world_size,
-                          "elapsed_s": self.elapsed(), **_floats(self.stack.metrics), **_floats(self.grad_norms)}
-                if self.block_grad_norms is not None:
-                    record["block_grad_norms"] = self.part_grad_norms.block_record(self.block_grad_norms)
-                if "grad_norm" in record:
-                    self.norm_history.append(self.step, record["grad_norm"], record.get("block_grad_norms"))
-                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
-                if peak:
-                    record["mfu"] = flops * tok_s / ctx.world_size / peak
-                    postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-                if self.device.type == "cuda":
-                    record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                self._check_divergence(loss, record.get("grad_norm"))
-                if metrics is not None and (self.step % tc.log_every == 0 or final):
-                    metrics.log(self.step, "train", record)
-                if self.step % tc.eval_every == 0 or final:
+                record = self._start_record(loss, tok_s, final, flops, peak)
+                if pending is not None:  # the previous step's figures arrived while this step was queued
+                    postfix = self._write_record(pending, metrics, bar, val_bpb)
+                pending = record
+                checkpoint_due = self.step % tc.ckpt_every == 0 or final
+                evaluation_due = self.step % tc.eval_every == 0 or final
+                if evaluation_due or checkpoint_due:  # both wait for the device anyway: this step's record now
+                    postfix, pending = self._write_record(pending, metrics, bar, val_bpb), None
+                if evaluation_due:
                     self._expect_progress(watchdog, warm, f"evaluation at step {self.step}")
                     elapsed = self.elapsed()  # before the evaluation: the time it took to get here
                     # Ctrl-C before or during the evaluation skips (the rest of) it: save this step, stop.
@@ -557,11 +611,7 @@ class Trainer:
                     if metrics is not None:
                         metrics.log(self.step, "val", {"val_bpb": val_bpb, "tokens": self.step * tokens_per_step,
                                                        "elapsed_s": elapsed})
-                if val_bpb is not None:
-                    postfix["val_bpb"] = f"{val_bpb:.3f}"
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
-                checkpoint_due = self.step % tc.ckpt_every == 0 or final
+                    bar.set_postfix({**postfix, "val_bpb": f"{val_bpb:.3f}"}, refresh=False)
                 fingerprint_due = cfg.dist.fingerprint_every and self.step % cfg.dist.fingerprint_every == 0
                 if checkpoint_due or fingerprint_due:
                     self._check_replicas()
@@ -588,6 +638,11 @@ class Trainer:
             if watchdog is not None:
                 watchdog.close()
             after_warmup.close()
+            if pending is not None and metrics is not None:
+                # A run stopped between steps keeps its last step's record. Best effort: an error
+                # here would replace the one that stopped the run.
+                with contextlib.suppress(Exception):
+                    self._write_record(pending, metrics, bar, val_bpb, check=False)
             bar.close()
             if metrics is not None:
                 metrics.log(self.step, "compile", {**self.compile_summary(), **compile_record})
