@@ -42,7 +42,8 @@ class DataBundle:
         """The same fixed validation batches on every call: this rank's rows of `max_batches` global
         batches (the same number of batches on every rank)."""
         return iter(ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches,
-                              rank=self.rank, world_size=self.world_size, device=self.device))
+                              rank=self.rank, world_size=self.world_size, device=self.device,
+                              pin_memory=self.device.type == "cuda"))
 
 
 def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device | str,
@@ -53,8 +54,11 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     prepared = prepare_data(cfg, progress=progress, log=log)
     device = torch.device(device)
     try:
+        # Pinned host batches copy without a sync: from pageable memory each of a batch's three copies
+        # waited for the previous step's optimizer to finish, and the GPU then idled while the host
+        # queued the next forward (4.3 ms per `small` step on an H200).
         loader = PackedLoader(prepared.shards, batch_size, cfg.seq_len, rank=rank, world_size=world_size,
-                              seed=seed + cfg.shuffle_seed, device=device)
+                              seed=seed + cfg.shuffle_seed, device=device, pin_memory=device.type == "cuda")
         ValLoader(prepared.shards, batch_size, cfg.seq_len, num_batches=1, rank=rank, world_size=world_size)
     except ValueError as exc:  # before any training: not at the first evaluation
         raise CorpusError(f"{exc} (corpus: {prepared.corpus.summary().splitlines()[0]})") from exc
