@@ -292,3 +292,15 @@ def test_tier2_sharded_decoding_equals_single_process_decoding(tmp_path, corpus)
                   "--prompt", "#include <", "--temperature", "0.8", "--top-k", "40", "--seed", "1337"],
                  timeout=120).check()
     assert single.output.rstrip("\n").endswith(sharded) and len(sharded) > len("#include <")
+
+
+@pytest.mark.slow
+def test_tier2_a_time_budget_stops_both_ranks_at_the_same_step(tmp_path, corpus):
+    """The ranks agree on the budget with the step's loss (the longest clock at its last forward): a
+    budget spent by the first step stops both there, with one evaluation and one checkpoint."""
+    launch(tmp_path, corpus, **{"train.steps": "50", "train.time_budget_s": "0.001"}).check()
+    for rank in (0, 1):
+        assert "time budget of 0.001 s spent at step 1" in (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000001"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("train", "val")] == [(1, "train"), (1, "val")]

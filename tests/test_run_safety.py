@@ -415,6 +415,22 @@ def test_sigint_on_one_rank_during_the_final_evaluation_stops_both_ranks_togethe
     assert not [line for line in run.output.splitlines() if line.startswith("[default") and "Traceback" in line]
 
 
+@pytest.mark.slow
+def test_tier2_sigint_on_one_rank_during_a_step_stops_both_ranks_after_it_with_one_checkpoint(tmp_path, small_corpus):
+    """Rank 1 alone gets SIGINT as step 4 starts: the ranks vote on it with step 4's loss, and both save
+    step 4 and stop (no checkpoint was due there)."""
+    run = _launch_with_fault(tmp_path, small_corpus, "sigint_step@1:4", torchrun_ranks=2,
+                             **{"train.batch_size": "2"})
+    assert run.returncode != 0
+    latest, earlier = list_checkpoints(tmp_path / "run")
+    assert verify_checkpoint(latest)["step"] == 4 and verify_checkpoint(earlier)["step"] == 3
+    said = [line for line in run.output.splitlines() if "megacpp: interrupted" in line]
+    assert len(said) == 2 and all(f"interrupted at step 4; saved checkpoint {latest}" in s for s in said), said
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert not [line for line in run.output.splitlines() if line.startswith("[default") and "Traceback" in line]
+
+
 # ---------------------------------------------------------------- 7. metrics.jsonl cut short
 
 

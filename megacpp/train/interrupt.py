@@ -2,9 +2,10 @@
 
 A KeyboardInterrupt raised mid-step would leave optimizer state half-updated and, under torchrun, one
 rank inside a collective that its peers never enter. With the flag every rank finishes its step, the
-ranks agree (a max over the flags: torchrun gives SIGINT to every rank, not always between the same
-steps), and all of them save one checkpoint together. Further SIGINTs while saving (a terminal's Ctrl-C
-reaches the workers directly and again through torchrun) only set the flag again.
+ranks agree (a max over the flags, reduced with each step's loss: torchrun gives SIGINT to every rank,
+not always between the same steps), and all of them save one checkpoint together. Further SIGINTs
+while saving (a terminal's Ctrl-C reaches the workers directly and again through torchrun) only set the
+flag again.
 """
 from __future__ import annotations
 

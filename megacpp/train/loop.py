@@ -107,6 +107,14 @@ def first_nonfinite_parameter(model: nn.Module) -> str | None:
 
 
 @dataclass
+class StepVote:
+    """What the ranks agreed on with a step's loss: whether any of them had Ctrl-C by its last forward,
+    and the longest elapsed training time then (every rank reads the same values)."""
+    interrupted: bool
+    elapsed: float
+
+
+@dataclass
 class PendingRecord:
     """A step's metrics record whose device figures are on their way to the host. The loop writes it
     a step later, when they have long arrived: reading them at once would wait for the optimizer step
@@ -241,6 +249,8 @@ class Trainer:
         self.elapsed_before = 0.0  # training wall time of the run before this process (a resume)
         self._t_start: float | None = None  # when this process's training loop started
         self.high_loss_steps = 0  # consecutive steps above the divergence level
+        self.sigint: SigintFlag | None = None  # Ctrl-C's flag while the loop runs
+        self.step_vote: StepVote | None = None  # the last train_step's, on several ranks
         self.losses: list[float] = []
         if ctx.distributed:  # one process has nobody to compare with: build nothing
             check_parity(ctx, {
@@ -403,10 +413,11 @@ class Trainer:
                 total += loss.detach()
                 last_batch = (x, doc_ids)
                 if accum == tc.grad_accum - 1 and index == len(pieces) - 1:
-                    loss_read = Readback({"reduced": self.ctx.all_reduce_(total.clone()), "local": total})
+                    loss_read = Readback(self._step_reductions(total))
                 loss.backward()
         self.reduce_statistics()
         read = loss_read.result()
+        self.step_vote = StepVote(read["interrupted"] > 0, read["elapsed"]) if "interrupted" in read else None
         value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
             self._stop_nonfinite(value, read["local"], last_batch)
@@ -415,6 +426,20 @@ class Trainer:
         run_after_optimizer_step(self.model)
         self.stack.zero_grad()
         return value
+
+    def _step_reductions(self, total: Tensor) -> dict[str, Tensor]:
+        """The step's loss summed over ranks and, on several ranks, their Ctrl-C flags and elapsed times
+        (max), queued behind the last forward: the step's end then needs no collective of its own, and
+        reading them waits for no backward or optimizer step."""
+        reduced = {"reduced": self.ctx.all_reduce_(total.clone()), "local": total}
+        if self.ctx.distributed:
+            flags = torch.tensor([float(self.sigint is not None and self.sigint.requested), self.elapsed()],
+                                 dtype=torch.float64)
+            if self.device.type == "cuda":  # from pageable memory the copy would wait for the queue
+                flags = flags.pin_memory().to(self.device, non_blocking=True)
+            self.ctx.all_reduce_(flags, "max")
+            reduced["interrupted"], reduced["elapsed"] = flags[0], flags[1]
+        return reduced
 
     def _stop_nonfinite(self, value: float, local: float, last_batch: tuple[Tensor, Tensor]) -> None:
         """Every rank stops together (each saw the same reduced loss), naming the sublayer."""
@@ -436,13 +461,26 @@ class Trainer:
         return self.elapsed_before + running
 
     def _out_of_time(self) -> bool:
-        """Whether train.time_budget_s is spent. Ranks' clocks differ: they agree on the largest, so
-        every rank stops at the same step. Nothing is reduced when no budget is set."""
+        """Whether train.time_budget_s is spent. Ranks' clocks differ: they agree on the largest (as it
+        was at the step's last forward, voted with its loss), so every rank stops at the same step."""
         budget = self.cfg.train.time_budget_s
         if not budget:
             return False
+        if not self.ctx.distributed:
+            return self.elapsed() >= budget
+        if self.step_vote is not None:  # agreed on with the step's loss
+            return self.step_vote.elapsed >= budget
         elapsed = torch.tensor(self.elapsed(), dtype=torch.float64, device=self.device)
         return float(self.ctx.all_reduce_(elapsed, "max").item()) >= budget
+
+    def _interrupted_at_step_end(self, sigint: SigintFlag) -> bool:
+        """Ctrl-C at a step's end. Several ranks use what they voted with the step's loss, so a Ctrl-C
+        during a step's backward or optimizer step stops the run after the next step: asking the ranks
+        here would wait for the optimizer step to finish and leave the GPU idle while the next forward
+        is queued. One process reads its flag."""
+        if self.ctx.distributed and self.step_vote is not None:
+            return self.step_vote.interrupted
+        return self._interrupt_requested(sigint)
 
     def _interrupt_requested(self, sigint: SigintFlag) -> bool:
         """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same point; one
@@ -565,7 +603,7 @@ class Trainer:
         watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
         compile_record: dict[str, Any] = {}
-        sigint = after_warmup.enter_context(SigintFlag())
+        sigint = self.sigint = after_warmup.enter_context(SigintFlag())
         out_of_time = False
         pending: PendingRecord | None = None  # a step whose record waits for its device figures
         postfix: dict[str, str] = {}
@@ -618,7 +656,7 @@ class Trainer:
                 if checkpoint_due:
                     self._expect_progress(watchdog, warm, f"checkpoint at step {self.step}")
                     checkpoint = self.save()
-                if self._interrupt_requested(sigint):
+                if self._interrupted_at_step_end(sigint):
                     self._stop_interrupted(watchdog, checkpoint if checkpoint_due else None)
                 if out_of_time:
                     self.log(f"time budget of {tc.time_budget_s:g} s spent at step {self.step} "

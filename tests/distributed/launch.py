@@ -9,6 +9,7 @@ Faults (RANK is the global rank that misbehaves; STEP the training step it does 
   stall@R:S         rank R stops making progress in step S (sleeps)
   kill@R:S          rank R is killed with SIGKILL in step S
   interrupt@R:S     rank R raises KeyboardInterrupt before step S (every rank should use it)
+  sigint_step@R:S   rank R gets SIGINT (as from Ctrl-C) as step S starts, before its forward
   sigint_eval@R:S   rank R gets SIGINT (as from Ctrl-C) in the evaluation after step S, after its first batch
   sigint_sample@R:T rank R gets SIGINT in the end-of-run sample, before its token T (T >= 2)
   ckpt_write@R      rank R fails to write its checkpoint shard (permission denied)
@@ -42,7 +43,7 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
 
     if kind == "config":
         return [*args, "--optim.muon_lr", "0.021"]
-    if kind in ("nan", "stall", "kill", "interrupt", "drift"):
+    if kind in ("nan", "stall", "kill", "interrupt", "drift", "sigint_step"):
         original = Trainer.train_step
 
         def train_step(self):
@@ -53,6 +54,8 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "interrupt":
                     raise KeyboardInterrupt
+                if kind == "sigint_step":
+                    os.kill(os.getpid(), signal.SIGINT)
                 if kind == "nan":
                     block = next(b for b in self.model.blocks if b.kind == "M")
                     block.mixer.register_forward_hook(lambda _m, _a, out: out * float("nan"))
