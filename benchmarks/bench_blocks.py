@@ -16,6 +16,7 @@ import torch._dynamo
 from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
 from torch import nn
 
+from megacpp.compile.cache import setup_inductor_cache
 from megacpp.model.attention import Attention, AttentionConfig
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
+    setup_inductor_cache()  # as `megacpp train` does: keyed by the ops' source, shared with training runs
     dev = torch.device("cuda")
     d, b, t = args.d_model, args.batch, args.seq
     x = torch.randn(b, t, d, device=dev, requires_grad=True)

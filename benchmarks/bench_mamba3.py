@@ -29,6 +29,7 @@ import torch
 import torch._dynamo
 from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
 
+from megacpp.compile.cache import setup_inductor_cache
 from megacpp.model.mamba3 import Mamba3, Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
 from megacpp.model.segments import Segments, document_segments
@@ -130,6 +131,7 @@ def main() -> None:
                    help="time only the megacpp variants whose name contains one of these words "
                         "(the mamba_ssm anchor always runs when it imports)")
     args = p.parse_args()
+    setup_inductor_cache()  # as `megacpp train` does: keyed by the ops' source, shared with training runs
     dev = torch.device("cuda")
     cfg = dataclasses.replace(SMALL, chunk_size=args.chunk_size)
     if not args.skip_check:

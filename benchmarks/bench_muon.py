@@ -22,6 +22,7 @@ import torch
 from timing import median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 from torch import nn
 
+from megacpp.compile.cache import setup_inductor_cache
 from megacpp.optim import Muon, torch_muon_compatible
 
 
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variant")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (1 is steadier on a shared host)")
     args = parser.parse_args()
+    setup_inductor_cache()  # as `megacpp train` does: keyed by the ops' source, shared with training runs
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

@@ -34,6 +34,7 @@ import torch
 import torch._dynamo
 from timing import fwd_bwd_ms, matmul_split, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
 
+from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
@@ -298,6 +299,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="toy sizes (a CPU smoke run of the script)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
     args = p.parse_args()
+    setup_inductor_cache()  # as `megacpp train` does: keyed by the ops' source, shared with training runs
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
