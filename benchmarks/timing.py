@@ -31,15 +31,62 @@ def median_ms(step: Callable[[], None], device: torch.device, warmup: int, iters
     return statistics.median(times)
 
 
-def fwd_bwd_ms(module: nn.Module, *inputs: torch.Tensor, warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of forward + backward (sum of the output) under bf16 autocast on the inputs'
-    device (CUDA; CPU for smoke runs)."""
+def device_ms(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """Median device milliseconds per call with the host's cost hidden, as in a training loop whose host
+    runs ahead of the GPU: each call is queued behind a GPU spin (`torch.cuda._sleep`) of at least 50 ms
+    and four times the call's host time, so the GPU finds all of it queued. `median_ms` instead starts
+    each call on an idle GPU, which then also waits wherever the host launches slower than the GPU runs.
+    A call the GPU reached before the host had queued it (a host stall longer than the spin) is timed
+    again behind a spin twice as long; RuntimeError after three such retries (the call synchronizes
+    with the host). CUDA only."""
+    if device.type != "cuda":
+        raise RuntimeError(f"device_ms needs a CUDA device, got {device}")
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe_cycles = 1 << 24
+    start.record()
+    torch.cuda._sleep(probe_cycles)
+    end.record()
+    end.synchronize()
+    spin_ms = max(4 * host_ms, 50.0)
+    cycles_per_ms = probe_cycles / start.elapsed_time(end)
+    times = []
+    while len(times) < iters:
+        for retry in range(4):
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(int(cycles_per_ms * spin_ms * 2**retry))
+            start.record()
+            step()
+            end.record()
+            if not start.query():  # the spin still runs: the whole call is queued behind it
+                break
+        else:
+            raise RuntimeError(f"device_ms: the GPU reached the call before the host had queued it, even "
+                               f"behind a {spin_ms * 8:.0f} ms spin; the call synchronizes with the host")
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fwd_bwd_step(module: nn.Module, *inputs: torch.Tensor) -> Callable[[], None]:
+    """Forward + backward (sum of the output) under bf16 autocast on the inputs' device."""
     def step() -> None:
         with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
             out = module(*inputs)
         out.float().sum().backward()
 
-    return median_ms(step, inputs[0].device, warmup, iters)
+    return step
+
+
+def fwd_bwd_ms(module: nn.Module, *inputs: torch.Tensor, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of `fwd_bwd_step` (CUDA; CPU for smoke runs)."""
+    return median_ms(fwd_bwd_step(module, *inputs), inputs[0].device, warmup, iters)
 
 
 def graph_breaks() -> int:
