@@ -417,7 +417,7 @@ class Trainer:
                 loss.backward()
         self.reduce_statistics()
         read = loss_read.result()
-        self.step_vote = StepVote(read["interrupted"] > 0, read["elapsed"]) if "interrupted" in read else None
+        self.step_vote = StepVote(read["interrupted"] > 0, read["elapsed"]) if self.ctx.distributed else None
         value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
             self._stop_nonfinite(value, read["local"], last_batch)
@@ -468,19 +468,22 @@ class Trainer:
             return False
         if not self.ctx.distributed:
             return self.elapsed() >= budget
-        if self.step_vote is not None:  # agreed on with the step's loss
-            return self.step_vote.elapsed >= budget
-        elapsed = torch.tensor(self.elapsed(), dtype=torch.float64, device=self.device)
-        return float(self.ctx.all_reduce_(elapsed, "max").item()) >= budget
+        return self._step_vote().elapsed >= budget
 
     def _interrupted_at_step_end(self, sigint: SigintFlag) -> bool:
         """Ctrl-C at a step's end. Several ranks use what they voted with the step's loss, so a Ctrl-C
         during a step's backward or optimizer step stops the run after the next step: asking the ranks
         here would wait for the optimizer step to finish and leave the GPU idle while the next forward
         is queued. One process reads its flag."""
-        if self.ctx.distributed and self.step_vote is not None:
-            return self.step_vote.interrupted
-        return self._interrupt_requested(sigint)
+        if self.ctx.distributed:
+            return self._step_vote().interrupted
+        return sigint.requested
+
+    def _step_vote(self) -> StepVote:
+        """The ranks' vote of the step just taken (train_step makes one on several ranks)."""
+        if self.step_vote is None:
+            raise RuntimeError("no step has been voted on yet: train_step() comes first")
+        return self.step_vote
 
     def _interrupt_requested(self, sigint: SigintFlag) -> bool:
         """Whether any rank got SIGINT (one scalar all-reduce: every rank stops at the same point; one
