@@ -21,28 +21,31 @@ a document start is a log-decay of -inf, which the kernels turn into a segment i
 starts so far in the chunk) and a zero log-decay: decay(t, s) = exp2(A_t - A_s) when s <= t in the same
 segment, else exactly 0 (masked to -inf before exp2, so nothing overflows and no inf meets inf).
 
-Every kernel that multiplies is chunk-parallel; the only sequential work, the chain of states over
-chunks, is elementwise (`_chain_kernel`: v <- qL v + what the chunk adds, one multiply-add per state
-entry and chunk). On an H200 at `small`'s sizes with bf16 operands this took the forward from 2.93 to
-1.10 ms against kernels that walked the chunks in order with the products on the chain (BENCHMARKS.md).
+The chains of states over chunks (v <- qL v + what the chunk adds) are one program per (block of state
+columns, batch row, head) walking the chunks in order, the carry in fp32 registers; what a chunk adds is
+a product that does not depend on the carry, so only a multiply-add is on the chain and the pipelined
+loads of the next chunks overlap it. Every other kernel is chunk-parallel. Kernels that put the whole
+output on the chain took the forward 2.93 ms at `small`'s sizes on an H200 with bf16 operands; the
+products chunk-parallel with an elementwise chain over fp32 slots 1.10 ms; the chains with their
+products, which never store the slots, 0.80 (BENCHMARKS.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
-columns are independent. Software pipelining only in the dB/dC kernel's loop over a group's heads,
-with 16-bit operands; register caps (Triton's maxnreg) on the output and chunk-backward kernels, with
-16-bit operands, where more programs per SM paid for a few spills (`tilings`).
-`benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its budget.
+columns are independent. Software pipelining in the chains and in the dB/dC kernel's loop over a
+group's heads, with 16-bit operands; register caps (Triton's maxnreg) on the output and
+chunk-backward kernels, with 16-bit operands, where more programs per SM paid for a few spills
+(`tilings`). `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its
+budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
-- forward: `_fwd_state_kernel` (column block, c, b·h) stores what chunk c adds to the state (fp32);
-  the chain turns those slots into every chunk's entering state (in the operand dtype: every reader
-  rounds it to that) and the final state (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated
-  output from its entering state, and the output before the gate, which the backward reads for dL/dz.
-- backward: `_bwd_state_kernel` (column block, c, b·h) stores what chunk c adds to dL/dS on the way
-  back, these columns' part of dL/dq (q: the decay from the entering state) and the gate's gradients,
-  dL/dz and dL/dy before the gate (operand dtype, for the two kernels below, which only multiply it
-  or use it where it is rounded anyway); the reverse chain
-  turns the slots into dL/dS at every chunk's exit and dL/d(initial state), and sums dL/dqL, the
-  gradient of each chunk's whole decay, in blocks of state entries; `_bwd_chunk_kernel` (c, b·h)
-  writes the gradients of x, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
+- forward: `_fwd_states_kernel` (column block, b·h) walks the chunks in order and stores every
+  chunk's entering state (in the operand dtype: every reader rounds it to that) and the final state
+  (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated output from its entering state, and the
+  output before the gate, which the backward reads for dL/dz.
+- backward: `_bwd_states_kernel` (column block, b·h) walks the chunks from the last one down and
+  stores dL/dS at every chunk's exit (operand dtype) and dL/d(initial state), these columns' parts of
+  dL/dq (q: the decay from the entering state) and of dL/dqL (the gradient of each chunk's whole
+  decay), and the gate's gradients, dL/dz and dL/dy before the gate (operand dtype, for the two
+  kernels below, which only multiply it or use it where it is rounded anyway); `_bwd_chunk_kernel`
+  (c, b·h) writes the gradients of x, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
   `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases' parts of each head of the
   group, and dB, dC summed over those heads in order. The chunk kernel is register-bound: the terms
   that need the entering state or the gate's inputs are computed where those are at hand.
@@ -146,12 +149,6 @@ def _decay_matrix(A, seg, rows):
 
 
 @triton.jit
-def _store_transposed(ptr, row_off, cols, value_t, mask):
-    """Store value_t, the transpose of a (rows, cols) tile, at ptr + row_off[:, None] + cols[None, :]."""
-    tl.store(ptr + row_off[None, :] + cols[:, None], value_t, mask=tl.trans(mask))
-
-
-@triton.jit
 def _chunk_rows(c, T, P: tl.constexpr, L: tl.constexpr, PB: tl.constexpr):
     """Row indices of chunk c and of head_dim, head_dim's mask, the chunk's times t and their validity."""
     rows = tl.arange(0, L)
@@ -174,74 +171,54 @@ def _chunk_program(T, H, REP, P: tl.constexpr, L: tl.constexpr, PB: tl.constexpr
 
 
 @triton.jit
-def _fwd_state_kernel(
-    x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, decay_ptr,
-    T, H, REP, NC,
-    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g,
-    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
-    MM: tl.constexpr, PREC: tl.constexpr,
-):
-    """Program (block of 2 KB state columns, chunk, batch row * head): what chunk c adds to the state,
-    Σ_t e_t σ_t x_t B_tᵀ (e: the decay from t to the chunk's end), stored in chunk c's slot of `states`
-    for `_chain_kernel`; the column-0 programs also store the chunk's whole decay qL."""
+def _state_program(T, H, REP, N: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr):
+    """Where a program of the chains over chunks works: state columns k0 + [0, 2 KB) (grid axis 0), all
+    of head_dim, head and batch row (axis 1), the head's group, and the offsets and mask of its
+    (2 KB, PB) tile of a (p, n) state, transposed: the chain's products come out in that orientation."""
     k0 = tl.program_id(0) * 2 * KB
-    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
-    _, _, _, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-    if k0 == 0:
-        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
-    es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
-    x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, valid[:, None] & pmask[None, :])
+    pid = tl.program_id(1)
+    hd = pid % H
+    bi = (pid // H).to(tl.int64)
     cols = k0 + tl.arange(0, 2 * KB)
     cmask = cols < N
-    cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-    br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols,
-                  valid[:, None] & cmask[None, :], cmask, L, KB)
-    # Transposed: x, the same for every column block, is the product's second operand.
-    _store_transposed(states_ptr, ((bi * H + hd) * NC + c) * P * N + rows_p * N, cols,
-                      _dot(tl.trans(br * es[:, None]), x, MM, PREC), pmask[:, None] & cmask[None, :])
+    rows_p = tl.arange(0, PB)
+    pmask = rows_p < P
+    tile = rows_p[None, :] * N + cols[:, None]
+    return k0, hd, bi, hd // REP, cols, cmask, rows_p, pmask, tile, cmask[:, None] & pmask[None, :]
 
 
 @triton.jit
-def _chain_kernel(slots_ptr, out_ptr, decay_ptr, start_ptr, end_ptr, other_ptr, dots_ptr, NC, PN,
-                  BLOCK: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr, DOTS: tl.constexpr):
-    """Program (batch row * head, block of BLOCK state entries): a state's chain over the chunks,
-    elementwise. Slot c holds what chunk c adds (fp32); the value entering chunk c goes to slot c of
-    `out` (in out's dtype; `out` may be `slots` itself) and the chain goes on in fp32 as
-    v ← qL(c) v + that, from `start` (or zero) to `end`. Forward (the state): in chunk order, entering =
-    before the chunk. REVERSE (dL/dstate): from the last chunk down, entering = the gradient of the
-    chunk's exit state. The only sequential work is one multiply-add per entry and chunk; the products
-    that fill the slots run chunk-parallel. DOTS: also this block's part of Σ v ⊙ other for every
-    chunk, stored at dots[(batch row * head, chunk, block)]; with `other` the forward's entering states
-    that is dL/dqL, the gradient of the chunk's whole decay (its other uses are register-bound)."""
-    bh = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PN
-    if HAS_START:
-        v = tl.load(start_ptr + bh * PN + offs, mask=mask, other=0.0)
+def _fwd_states_kernel(
+    x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, s0_ptr, states_ptr, final_ptr,
+    T, H, REP, NC,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    """Program (block of 2 KB state columns, batch row * head): the state's chain over the chunks, in
+    order. Chunk c's entering state goes to slot c of `states` (in its dtype: every reader rounds it to
+    the operand dtype), then v <- qL v + Σ_t e_t σ_t x_t B_tᵀ (e: the decay from t to the chunk's end) in
+    fp32, from `s0` (or zero); the last v is the final state. Only the multiply-add is on the chain: the
+    product does not depend on v, so the next chunk's loads and product overlap this one's."""
+    k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
+    bh = bi * H + hd
+    if HAS_INIT:
+        v = tl.load(s0_ptr + bh * P * N + tile, mask=smask, other=0.0)
     else:
-        v = tl.zeros((BLOCK,), dtype=tl.float32)
-    slots = slots_ptr + bh * NC * PN + offs
-    outs = out_ptr + bh * NC * PN + offs
-    decays = decay_ptr + bh * NC
-    others = other_ptr + bh * NC * PN + offs
-    first = NC - 1 if REVERSE else 0
-    added = tl.load(slots + first * PN, mask=mask, other=0.0)
-    if DOTS:
-        other = tl.load(others + first * PN, mask=mask, other=0.0).to(tl.float32)
-    for i in range(NC):
-        c = NC - 1 - i if REVERSE else i
-        # The next chunk's slot is loaded before this one is written: one load always in flight, so the
-        # chain waits on memory latency once, not once per chunk.
-        after = c - 1 if REVERSE else c + 1
-        more = mask & (offs * 0 + i + 1 < NC)
-        upcoming = tl.load(slots + after * PN, mask=more, other=0.0)
-        tl.store(outs + c * PN, v.to(out_ptr.dtype.element_ty), mask=mask)
-        if DOTS:
-            tl.store(dots_ptr + (bh * NC + c) * tl.num_programs(1) + tl.program_id(1), tl.sum(v * other, 0))
-            other = tl.load(others + after * PN, mask=more, other=0.0).to(tl.float32)
-        v = tl.load(decays + c) * v + added
-        added = upcoming
-    tl.store(end_ptr + bh * PN + offs, v, mask=mask)
+        v = tl.zeros((2 * KB, PB), dtype=tl.float32)
+    for c in range(NC):
+        t = c * L + tl.arange(0, L)
+        valid = t < T
+        tok = (bi * T + t) * H + hd
+        _, _, _, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
+        es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
+        x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, valid[:, None] & pmask[None, :])
+        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+        br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols,
+                      valid[:, None] & cmask[None, :], cmask, L, KB)
+        tl.store(states_ptr + (bh * NC + c) * P * N + tile, v.to(states_ptr.dtype.element_ty), mask=smask)
+        v = qL * v + _dot(tl.trans(br * es[:, None]), x, MM, PREC)
+    tl.store(final_ptr + bh * P * N + tile, v, mask=smask)
 
 
 @triton.jit
@@ -296,47 +273,56 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 
 @triton.jit
-def _bwd_state_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, ypre_ptr, states_ptr, gstates_ptr, decay_ptr, dq_ptr, dy_ptr,
-    gz_ptr,
+def _bwd_states_kernel(
+    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, ypre_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr,
+    dq_ptr, dqL_ptr, dy_ptr, gz_ptr,
     T, H, REP, NC,
     sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
-    MM: tl.constexpr, PREC: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr, HAS_FINAL: tl.constexpr,
 ):
-    """Program (block of 2 KB state columns, chunk, batch row * head): what chunk c adds to dL/dS on
-    its way back, Σ_t q_t dy_t C_tᵀ (q: the decay from the entering state to t), stored in chunk c's
-    slot of `gstates` for the reverse `_chain_kernel`; the column-0 programs also store qL. Also these
-    columns' part of dL/dq_t = dy_t · (S C_t) (S: the state entering the chunk), in this column block's
-    slot of `dq` (column blocks, b, t, h), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel
-    has C and dy at hand and few registers live, where the chunk kernel is register-bound. The
-    column-0 programs store the gate's gradients: dL/dz, and dy = dL/dy before the gate in the operand
-    dtype, which the chunk and dB/dC kernels read instead of the gate's inputs (the products round it
-    to that anyway)."""
-    k0 = tl.program_id(0) * 2 * KB
-    c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 1)
-    _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-    vmask_p = valid[:, None] & pmask[None, :]
-    dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
-    if k0 == 0:
-        tl.store(decay_ptr + (bi * H + hd) * NC + c, qL)
-        rows_out = (tok * P)[:, None] + rows_p[None, :]
-        tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
-        y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
-        gz = gout * y * sz * (1.0 + z * (1.0 - sz))
-        tl.store(gz_ptr + rows_out, gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
-    cols = k0 + tl.arange(0, 2 * KB)
-    cmask = cols < N
-    cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-    cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
-                  valid[:, None] & cmask[None, :], cmask, L, KB)
-    state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
-    smask = pmask[:, None] & cmask[None, :]
-    # Transposed, like the forward's state.
-    _store_transposed(gstates_ptr, state, cols, _dot(tl.trans(cr), dy * q[:, None], MM, PREC), smask)
-    readout = _dot(cr, tl.trans(_load_rows(states_ptr, state, cols, smask)), MM, PREC)  # S C_t, these columns
-    block_stride = tl.num_programs(2).to(tl.int64) * T  # dq: (column blocks, b, t, h)
-    tl.store(dq_ptr + tl.program_id(0) * block_stride + tok, tl.sum(dy * readout, 1), mask=valid)
+    """Program (block of 2 KB state columns, batch row * head): dL/dS's chain over the chunks, from the
+    last one down. The gradient of chunk c's exit state goes to slot c of `gstates` (in its dtype), then
+    v <- qL v + Σ_t q_t C_t dy_tᵀ (q: the decay from the entering state to t) in fp32, from `gfinal` (or
+    zero); the last v is dL/d(initial state). Per chunk it also stores these columns' parts of
+    dL/dq_t = dy_t · (S C_t) and of dL/dqL = Σ G ⊙ S (S: the state entering the chunk, G: the gradient
+    of its exit state), in the column block's slots of `dq` (column blocks, b, t, h) and `dqL`
+    (b, h, chunks, column blocks), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel has C, dy
+    and S at hand, where the chunk kernel is register-bound. The column-0 programs store the gate's
+    gradients: dL/dz, and dy = dL/dy before the gate in the operand dtype, which the chunk and dB/dC
+    kernels read instead of the gate's inputs (the products round it to that anyway)."""
+    k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
+    bh = bi * H + hd
+    if HAS_FINAL:
+        v = tl.load(gfinal_ptr + bh * P * N + tile, mask=smask, other=0.0)
+    else:
+        v = tl.zeros((2 * KB, PB), dtype=tl.float32)
+    dq_block = dq_ptr + tl.program_id(0) * (tl.num_programs(1).to(tl.int64) * T)
+    for i in range(NC):
+        c = NC - 1 - i
+        t = c * L + tl.arange(0, L)
+        valid = t < T
+        tok = (bi * T + t) * H + hd
+        _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
+        vmask_p = valid[:, None] & pmask[None, :]
+        dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
+        if k0 == 0:
+            rows_out = (tok * P)[:, None] + rows_p[None, :]
+            tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
+            y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
+            gz = gout * y * sz * (1.0 + z * (1.0 - sz))
+            tl.store(gz_ptr + rows_out, gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
+        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+        cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
+                      valid[:, None] & cmask[None, :], cmask, L, KB)
+        slot = (bh * NC + c) * P * N + tile
+        s = tl.load(states_ptr + slot, mask=smask, other=0.0).to(tl.float32)
+        readout = _dot(cr, s, MM, PREC)  # S C_t, these columns
+        tl.store(dq_block + tok, tl.sum(dy * readout, 1), mask=valid)
+        tl.store(gstates_ptr + slot, v.to(gstates_ptr.dtype.element_ty), mask=smask)
+        tl.store(dqL_ptr + (bh * NC + c) * tl.num_programs(0) + tl.program_id(0), tl.sum(tl.sum(v * s, 1), 0))
+        v = qL * v + _dot(tl.trans(cr), dy * q[:, None], MM, PREC)
+    tl.store(ginit_ptr + bh * P * N + tile, v, mask=smask)
 
 
 @triton.jit
@@ -362,22 +348,21 @@ def _bwd_chunk_kernel(
     x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, gam_ptr, D_ptr,
     gstates_ptr, dy_ptr, dq_ptr, dqL_ptr,
     gx_ptr, gld_ptr, gsig_ptr, ggam_ptr, gD_ptr, dcb_ptr,
-    T, H, REP, NC, DQ_BLOCKS, DQL_BLOCKS,
+    T, H, REP, NC, COL_BLOCKS,
     sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every gradient of chunk c that is neither the state chain, the gate nor B's or C's. With
-    W[i, j] = decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x
-    and S_exit = qL S + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ
-    (G = dL/dS_exit); the log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk
-    (dL/dq in DQ_BLOCKS column-block parts from `_bwd_state_kernel`, dL/dqL in DQL_BLOCKS parts from
-    the reverse chain). One pass over the state dimension in blocks sums its contractions (C Bᵀ,
-    B Gᵀ); dy is the state backward's. dL/d(C Bᵀ) = W ⊙ dP is stored for `_bwd_bc_kernel`, which
-    writes dB, dC and dΘ. This kernel is register-bound, so everything that needs the entering state S
-    or the gate's inputs is computed elsewhere: with bf16 operands at `small` on an H200 it went from
-    1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4 warps), then 0.99
-    without the gate's terms (0.92 at 8 warps capped at 128 registers)."""
+    """Every gradient of chunk c that is neither the state chain, the gate nor B's or C's. With W[i, j] =
+    decay(i, j) (σ_j below the diagonal, γ_i on it), y = (W ⊙ C Bᵀ) x + diag(q) C Sᵀ + D x and S_exit = qL S
+    + (diag(eσ) x)ᵀ B: dP = dy xᵀ; dx = (W ⊙ C Bᵀ)ᵀ dy + D dy + diag(eσ) B Gᵀ (G = dL/dS_exit); the
+    log-decays get the W, q, e and qL terms, reverse-accumulated over the chunk (dL/dq and dL/dqL in COL_BLOCKS
+    column-block parts from `_bwd_states_kernel`). One pass over the state dimension in blocks sums its
+    contractions (C Bᵀ, B Gᵀ); dy is the state backward's. dL/d(C Bᵀ) = W ⊙ dP is stored for
+    `_bwd_bc_kernel`, which writes dB, dC and dΘ. This kernel is register-bound, so everything that needs
+    the entering state S or the gate's inputs is computed elsewhere: with bf16 operands at `small` on an
+    H200 it went from 1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4
+    warps), then 0.99 without the gate's terms (0.92 at 8 warps capped at 128 registers)."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
@@ -431,9 +416,8 @@ def _bwd_chunk_kernel(
     de = ves * sig * e
     dq = tl.zeros((L,), dtype=tl.float32)
     dqL = 0.0
-    for part in range(DQL_BLOCKS):
-        dqL += tl.load(dqL_ptr + (bh * NC + c) * DQL_BLOCKS + part)
-    for part in range(DQ_BLOCKS):
+    for part in range(COL_BLOCKS):
+        dqL += tl.load(dqL_ptr + (bh * NC + c) * COL_BLOCKS + part)
         dq += tl.load(dq_ptr + part * (tl.num_programs(1).to(tl.int64) * T) + tok, mask=valid, other=0.0)
     dA = tl.sum(r, 1) - tl.sum(r, 0) + dq * q - de
     dA += tl.where(rows == L - 1, tl.sum(de, 0) + dqL * qL, 0.0)
@@ -508,9 +492,9 @@ def _bwd_bc_kernel(
 
 @dataclass(frozen=True)
 class Tiling:
-    """How one kernel's work is cut: block_p state rows per program (the sequential kernels split
-    head_dim over the grid by it; the chunk kernel takes all of head_dim), block_pairs rotation pairs
-    (2 block_pairs state columns) per step of the loop over the state dimension, and launch options."""
+    """How one kernel's work is cut: block_p state rows per program (head_dim padded to a power of two:
+    every program takes all of it), block_pairs rotation pairs (2 block_pairs state columns) per program
+    or per step of the loop over the state dimension, and launch options."""
 
     block_p: int
     block_pairs: int
@@ -519,21 +503,16 @@ class Tiling:
     max_registers: int | None = None  # per thread (Triton's maxnreg); None: the compiler's choice
 
 
-# State entries and warps per program of the chains over chunks (`_chain_kernel`).
-CHAIN_BLOCK = 1024
-CHAIN_WARPS = 4
-
-
 def _pow2(size: int, least: int) -> int:
     return max(least, triton.next_power_of_2(size))
 
 
 @functools.cache
 def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> Mapping[str, Tiling]:
-    """The tiling of each chunk-parallel kernel at these sizes: every program takes all of head_dim.
-    Picked by timing the compiled M mixer on an H200 at `small`'s sizes with bf16 operands
-    (BENCHMARKS.md, 2026-11-24), and checked with benchmarks/check_mamba3_resources.py for sm_90
-    (shared memory well under the limit). Cached, hence read-only: the ops run it at every call, on the
+    """The tiling of each kernel at these sizes: every program takes all of head_dim. Picked by timing
+    the compiled M mixer on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24
+    and -25), and checked with benchmarks/check_mamba3_resources.py for sm_90 (shared memory under the
+    limit). Cached, hence read-only: the ops run it at every call, on the
     host's critical path. What decided each (kernel ms):
     - state columns per block: the chunk backward 4.78 against 5.01 for 64 instead of 32 (an earlier
       layout); the dB/dC kernel 1.23 against 1.37 (32 columns) and 1.83 (16).
@@ -546,12 +525,17 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     - the chunk backward, 16-bit operands, chunks of 64: 8 warps capped at 128 registers (two programs
       per SM, each with twice the warps), 0.91–0.93 against 0.99 at 4 warps uncapped; 4 warps capped
       at 168 or 200: 2.47, 1.20. Other sizes keep 4 warps (8 with fp32 operands and chunks over 32).
-    - the state backward: 8 warps, 0.57 against 0.76 at 4 in the mixer (alone it timed the other way
-      round, 0.98 against 0.74); a cap at 128 registers changed nothing (0.588 both)."""
+    - the chains with their products (2026-11-25, the kernels alone at the mixer's input layout; ms of
+      the whole forward / backward): the forward's 64 columns per program, 8 warps, three stages,
+      0.83 (32 columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02); the backward's
+      all 128 columns in one program, 8 warps, three stages, 3.02 (4 warps: 4.20; 16: 3.10; 64
+      columns: 3.43; four stages exceed the shared memory). Splitting head_dim over programs instead
+      was slower in both (0.86–1.55, 3.30–4.38). fp32 operands, not timed, take 32 columns and 4
+      warps forward, 8 backward (no spills at `small` and `nam52`)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
-    wide = min(_pow2(d_state // 2, 8), 64)
     mid = min(_pow2(d_state // 2, 8), 32)
+    wide = min(_pow2(d_state // 2, 8), 64)
     narrow = matmul_dtype.itemsize == 2
     # The register caps hold where they were timed: 16-bit operands, chunks of 64 and `small`'s tiles
     # (head_dim 64, d_state 128). Bigger tiles would spill far more under them, smaller ones need no cap.
@@ -561,9 +545,9 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     else:
         chunk = Tiling(block_p, mid, 4 if chunk_size <= 32 or narrow else 8)
     return MappingProxyType({
-        "fwd_state": Tiling(block_p, pairs, 4),
+        "fwd_states": Tiling(block_p, mid, 8, 3) if narrow else Tiling(block_p, pairs, 4),
         "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if capped else None),
-        "bwd_state": Tiling(block_p, wide, 8),
+        "bwd_states": Tiling(block_p, wide, 8, 3) if narrow else Tiling(block_p, pairs, 8),
         "bwd_chunk": chunk,
         "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
     })
@@ -604,15 +588,6 @@ def _rows_unit_stride(v: Tensor) -> Tensor:
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
-def _entering_buffer(added: Tensor, matmul_dtype: torch.dtype) -> Tensor:
-    """Where the chain writes every chunk's entering state (or state gradient): in the operand dtype,
-    since the products that read it round it to that anyway. Narrower than fp32, it halves what the
-    chain writes, what three kernels read and what the forward saves (400 to 200 MB per `small` M
-    layer with bf16 operands); in fp32 it is the slots themselves, overwritten in place."""
-    return added if matmul_dtype == torch.float32 else torch.empty(added.shape, dtype=matmul_dtype,
-                                                                    device=added.device)
-
-
 def _sizes(x: Tensor, B: Tensor, theta: Tensor, chunk_size: int) -> tuple[int, ...]:
     b, t, h, p = x.shape
     g, n = B.shape[2:]
@@ -643,20 +618,18 @@ def fused_fwd(
     f32 = torch.float32
     y = x.new_empty(b, t, h, p)
     y_pre = x.new_empty(b, t, h, p)
-    added = x.new_empty(b, h, nc, p, n, dtype=f32)  # what each chunk adds to the state
-    states = _entering_buffer(added, matmul_dtype)
+    # Every chunk's entering state in the operand dtype: the products that read it round it to that
+    # anyway, so narrower than fp32 it halves what the chain writes, what three kernels read and what
+    # the forward saves (400 to 200 MB per `small` M layer with bf16 operands).
+    states = x.new_empty(b, h, nc, p, n, dtype=matmul_dtype)
     final = x.new_empty(b, h, p, n, dtype=f32)
     s0 = initial.to(f32).contiguous() if initial is not None else final  # unread without HAS_INIT
-    decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
     tiling = tilings(p, n, chunk_size, matmul_dtype)
     rows = (*x.stride()[:3], *z.stride()[:3], *B.stride()[:3], *C.stride()[:3])
-    st = tiling["fwd_state"]
-    launch(Launch(_fwd_state_kernel, (triton.cdiv(n, 2 * st.block_pairs), nc, b * h), (
-        x, B, B_bias, theta, log_decay, sigma, added, decay, t, h, h // g, nc, *rows[:3], *rows[6:9],
-    ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
-    launch(Launch(_chain_kernel, (b * h, triton.cdiv(p * n, CHAIN_BLOCK)), (
-        added, states, decay, s0, final, added, decay, nc, p * n,  # no DOTS: `other` and `dots` unread
-    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=initial is not None, REVERSE=False, DOTS=False, num_warps=CHAIN_WARPS)))
+    st = tiling["fwd_states"]
+    launch(Launch(_fwd_states_kernel, (triton.cdiv(n, 2 * st.block_pairs), b * h), (
+        x, B, B_bias, theta, log_decay, sigma, s0, states, final, t, h, h // g, nc, *rows[:3], *rows[6:9],
+    ), dict(_meta(st, p, n, na, chunk_size, matmul_dtype, x.device), HAS_INIT=initial is not None)))
     launch(Launch(_fwd_scan_kernel, (nc, b * h), (
         x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, y_pre, t, h, h // g, nc, *rows,
     ), _meta(tiling["fwd_scan"], p, n, na, chunk_size, matmul_dtype, x.device)))
@@ -677,26 +650,20 @@ def fused_bwd(
     B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre, grad_y = (
         v.contiguous() for v in (B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre, grad_y))
     f32 = torch.float32
-    grad_added = torch.empty(states.shape, dtype=f32, device=states.device)  # what each chunk adds to dL/dS
-    grad_states = _entering_buffer(grad_added, matmul_dtype)
+    grad_states = torch.empty(states.shape, dtype=matmul_dtype, device=states.device)  # at each chunk's exit
     grad_init = x.new_empty(b, h, p, n, dtype=f32)
     gfinal = grad_final.to(f32).contiguous() if grad_final is not None else grad_init  # unread without it
     tiling = tilings(p, n, chunk_size, matmul_dtype)
-    decay = x.new_empty(b, h, nc, dtype=f32)  # each chunk's whole decay qL
-    st = tiling["bwd_state"]
-    dq_blocks = triton.cdiv(n, 2 * st.block_pairs)
-    grad_q_parts = x.new_empty(dq_blocks, b, t, h, dtype=f32)  # dL/dq per state-column block
+    st = tiling["bwd_states"]
+    blocks = triton.cdiv(n, 2 * st.block_pairs)
+    grad_q_parts = x.new_empty(blocks, b, t, h, dtype=f32)  # dL/dq per state-column block
+    grad_qL_parts = x.new_empty(b, h, nc, blocks, dtype=f32)  # dL/dqL, the same
     grad_pre = x.new_empty(b, t, h, p, dtype=matmul_dtype)  # dL/dy before the gate, for two kernels
     grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-    launch(Launch(_bwd_state_kernel, (dq_blocks, nc, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, y_pre, states, grad_added, decay, grad_q_parts, grad_pre, grad_z,
-        t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
-    ), _meta(st, p, n, na, chunk_size, matmul_dtype, x.device)))
-    dqL_blocks = triton.cdiv(p * n, CHAIN_BLOCK)
-    grad_qL_parts = x.new_empty(b, h, nc, dqL_blocks, dtype=f32)  # dL/dqL per block of state entries
-    launch(Launch(_chain_kernel, (b * h, dqL_blocks), (
-        grad_added, grad_states, decay, gfinal, grad_init, states, grad_qL_parts, nc, p * n,
-    ), dict(BLOCK=CHAIN_BLOCK, HAS_START=grad_final is not None, REVERSE=True, DOTS=True, num_warps=CHAIN_WARPS)))
+    launch(Launch(_bwd_states_kernel, (blocks, b * h), (
+        z, C, C_bias, theta, log_decay, grad_y, y_pre, states, gfinal, grad_states, grad_init,
+        grad_q_parts, grad_qL_parts, grad_pre, grad_z, t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
+    ), dict(_meta(st, p, n, na, chunk_size, matmul_dtype, x.device), HAS_FINAL=grad_final is not None)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
     grad_D_parts = x.new_empty(b, h, nc, dtype=f32)
@@ -705,7 +672,7 @@ def fused_bwd(
     launch(Launch(_bwd_chunk_kernel, (nc, b * h), (
         x, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, grad_states, grad_pre,
         grad_q_parts, grad_qL_parts, grad_x, grad_ld, grad_sig, grad_gam, grad_D_parts, grad_cb,
-        t, h, h // g, nc, dq_blocks, dqL_blocks, *x.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+        t, h, h // g, nc, blocks, *x.stride()[:3], *B.stride()[:3], *C.stride()[:3],
     ), _meta(tiling["bwd_chunk"], p, n, na, chunk_size, matmul_dtype, x.device)))
     grad_B = x.new_empty(b, t, g, n, dtype=f32)
     grad_C = x.new_empty(b, t, g, n, dtype=f32)
