@@ -116,6 +116,13 @@ def _join_pairs(even, odd, R: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
+def _biased(ptr, row_off, bias_ptr, cols, mask, cmask):
+    """(rows, cols) tile of v + bias; 0 where masked."""
+    v = _load_rows(ptr, row_off, cols, mask) + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    return tl.where(mask, v, 0.0)
+
+
+@triton.jit
 def _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexpr, KB: tl.constexpr):
     """(R, 2 KB) tile of (v + bias) with its column pairs rotated by the angles; 0 where masked."""
     v = _load_rows(ptr, row_off, cols, mask) + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
@@ -326,13 +333,19 @@ def _bwd_states_kernel(
 
 
 @triton.jit
-def _unrotated(bias_ptr, g_rot, cos, sin, cols, cmask, mask, R: tl.constexpr, KB: tl.constexpr):
-    """dL/d(v + bias) from the gradient of the rotated tile (the transposed rotation); its sum over the
-    chunk's tokens is stored at bias_ptr (this chunk's part of dL/dbias)."""
-    gre, gro = _split_pairs(g_rot, R, KB)
-    g = tl.where(mask, _join_pairs(gre * cos + gro * sin, gro * cos - gre * sin, R, KB), 0.0)
+def _bias_grad(bias_ptr, g, cols, cmask, mask):
+    """g (dL/d(v + bias)) where mask holds, else 0; its sum over the chunk's tokens is stored at bias_ptr
+    (this chunk's part of dL/dbias)."""
+    g = tl.where(mask, g, 0.0)
     tl.store(bias_ptr + cols, tl.sum(g, 0), mask=cmask)
     return g
+
+
+@triton.jit
+def _unrotated(bias_ptr, g_rot, cos, sin, cols, cmask, mask, R: tl.constexpr, KB: tl.constexpr):
+    """dL/d(v + bias) from the gradient of the rotated tile (the transposed rotation), as `_bias_grad`."""
+    gre, gro = _split_pairs(g_rot, R, KB)
+    return _bias_grad(bias_ptr, _join_pairs(gre * cos + gro * sin, gro * cos - gre * sin, R, KB), cols, cmask, mask)
 
 
 @triton.jit
@@ -443,6 +456,31 @@ def _bwd_bc_kernel(
     here rather than after the launch saves writing and reading back per-head fp32 gradients of B and C
     (2 x 400 MB per `small` M layer): the backward's kernels went from 4.62 to 4.30 ms on an H200."""
     k0 = tl.program_id(0) * 2 * KB
+    # Columns past the rotated pairs do not rotate: their programs skip the angles, the rotations and the
+    # angle gradients (half of the programs at `small`, where 32 of 64 pairs rotate: 1.24 -> 1.07 ms on an
+    # H200). A compile-time branch each: a runtime one around the rotation alone stalled the forward
+    # chain's pipelining (0.32 -> 0.35 ms there).
+    if k0 // 2 < NA:
+        _bc_heads(x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, gstates_ptr, dy_ptr,
+                  dcb_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
+                  sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, True)
+    else:
+        _bc_heads(x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, gstates_ptr, dy_ptr,
+                  dcb_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
+                  sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, False)
+
+
+@triton.jit
+def _bc_heads(
+    x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
+    states_ptr, gstates_ptr, dy_ptr, dcb_ptr,
+    gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr,
+    k0, T, H, REP, NC,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """`_bwd_bc_kernel`'s program from column k0 on; ROTATE: whether these columns hold rotated pairs."""
     c = tl.program_id(1)
     pid = tl.program_id(2)
     G = H // REP
@@ -469,22 +507,30 @@ def _bwd_bc_kernel(
         dy = _load_rows(dy_ptr, tok * P, rows_p, vmask_p)
         dcb = tl.load(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :])  # operands' dtype
         state = (bh * NC + c) * P * N + rows_p * N
-        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
+        if ROTATE:
+            cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
+            cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
+            br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
+        else:
+            cr = _biased(C_ptr, C_row, Cb_ptr + hd * N, cols, vmask_n, cmask)
+            br = _biased(B_ptr, B_row, Bb_ptr + hd * N, cols, vmask_n, cmask)
         s = _load_rows(states_ptr, state, cols, smask)
         g = _load_rows(gstates_ptr, state, cols, smask)
         # Taken transposed, so that the tiles shared by every column block are the second operands.
         gcr = tl.trans(_dot(tl.trans(br), tl.trans(dcb), MM, PREC) + _dot(tl.trans(s), tl.trans(dy), MM, PREC)
                        * q[None, :])
         gbr = tl.trans(_dot(tl.trans(cr), dcb, MM, PREC) + _dot(tl.trans(g), tl.trans(x), MM, PREC) * es[None, :])
-        tl.store(gth_ptr + (tok * NA)[:, None] + pairs[None, :], _angle_grad(gbr, br, L, KB) +
-                 _angle_grad(gcr, cr, L, KB), mask=valid[:, None] & (pairs < NA)[None, :])
         # The biases are per head: their per-chunk parts (b, h, chunks, n) are summed over batch and
         # chunks after the launch.
         bias_part = (bh * NC + c) * N
-        grad_B += _unrotated(gBb_ptr + bias_part, gbr, cos, sin, cols, cmask, vmask_n, L, KB)
-        grad_C += _unrotated(gCb_ptr + bias_part, gcr, cos, sin, cols, cmask, vmask_n, L, KB)
+        if ROTATE:
+            tl.store(gth_ptr + (tok * NA)[:, None] + pairs[None, :], _angle_grad(gbr, br, L, KB) +
+                     _angle_grad(gcr, cr, L, KB), mask=valid[:, None] & (pairs < NA)[None, :])
+            grad_B += _unrotated(gBb_ptr + bias_part, gbr, cos, sin, cols, cmask, vmask_n, L, KB)
+            grad_C += _unrotated(gCb_ptr + bias_part, gcr, cos, sin, cols, cmask, vmask_n, L, KB)
+        else:
+            grad_B += _bias_grad(gBb_ptr + bias_part, gbr, cols, cmask, vmask_n)
+            grad_C += _bias_grad(gCb_ptr + bias_part, gcr, cols, cmask, vmask_n)
     out_row = ((bi * T + t) * G + gp) * N  # dB and dC are contiguous (b, t, g, n)
     tl.store(gB_ptr + out_row[:, None] + cols[None, :], grad_B, mask=vmask_n)
     tl.store(gC_ptr + out_row[:, None] + cols[None, :], grad_C, mask=vmask_n)
