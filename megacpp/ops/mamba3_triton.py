@@ -131,6 +131,32 @@ def _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexp
 
 
 @triton.jit
+def _block_angles(th_ptr, tok, valid, k0, NA: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
+                  ROTATE: tl.constexpr):
+    """`_angles` where the block of columns from k0 on holds rotated pairs (ROTATE), else placeholders of
+    the same type that nothing reads."""
+    if ROTATE:
+        return _angles(th_ptr, tok, valid, k0, NA, KB)
+    return tl.full((R, KB), 1.0, tl.float32), tl.zeros((R, KB), dtype=tl.float32)
+
+
+@triton.jit
+def _block_tile(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexpr, KB: tl.constexpr,
+                ROTATE: tl.constexpr):
+    """`_rotated` where the columns hold rotated pairs (ROTATE), else `_biased`: columns past the rotated
+    pairs skip the angles and the rotation (half of them at `small`, where 32 of 64 pairs rotate)."""
+    if ROTATE:
+        return _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R, KB)
+    return _biased(ptr, row_off, bias_ptr, cols, mask, cmask)
+
+
+@triton.jit
+def _rotated_end(N: tl.constexpr, NA: tl.constexpr, KB: tl.constexpr):
+    """The first column of the first block of 2 KB columns that holds no rotated pair (N if none)."""
+    return min(N, (2 * NA + 2 * KB - 1) // (2 * KB) * (2 * KB))
+
+
+@triton.jit
 def _chunk_decays(ld_ptr, tok, valid, L: tl.constexpr):
     """From the chunk's log-decays (-inf at document starts): the cumulative log2-decay A (L,), segment
     ids (L,), the decay from the entering state to each token q (L,), from each token to the chunk's end
@@ -207,6 +233,26 @@ def _fwd_states_kernel(
     the operand dtype), then v <- qL v + Σ_t e_t σ_t x_t B_tᵀ (e: the decay from t to the chunk's end) in
     fp32, from `s0` (or zero); the last v is the final state. Only the multiply-add is on the chain: the
     product does not depend on v, so the next chunk's loads and product overlap this one's."""
+    k0 = tl.program_id(0) * 2 * KB
+    # One compile-time branch per program: a runtime one around the rotation inside the loop stalled its
+    # pipelining (0.32 -> 0.35 ms at `small` on an H200).
+    if k0 // 2 < NA:
+        _fwd_chain(x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, s0_ptr, states_ptr, final_ptr, T, H, REP, NC,
+                   sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, P, N, NA, L, PB, KB, MM, PREC, HAS_INIT, True)
+    else:
+        _fwd_chain(x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, s0_ptr, states_ptr, final_ptr, T, H, REP, NC,
+                   sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, P, N, NA, L, PB, KB, MM, PREC, HAS_INIT, False)
+
+
+@triton.jit
+def _fwd_chain(
+    x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, s0_ptr, states_ptr, final_ptr,
+    T, H, REP, NC,
+    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """`_fwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs."""
     k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
     bh = bi * H + hd
     if HAS_INIT:
@@ -220,12 +266,28 @@ def _fwd_states_kernel(
         _, _, _, e, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
         es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
         x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, valid[:, None] & pmask[None, :])
-        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols,
-                      valid[:, None] & cmask[None, :], cmask, L, KB)
+        cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
+        br = _block_tile(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols,
+                         valid[:, None] & cmask[None, :], cmask, L, KB, ROTATE)
         tl.store(states_ptr + (bh * NC + c) * P * N + tile, v.to(states_ptr.dtype.element_ty), mask=smask)
         v = qL * v + _dot(tl.trans(br * es[:, None]), x, MM, PREC)
     tl.store(final_ptr + bh * P * N + tile, v, mask=smask)
+
+
+@triton.jit
+def _scan_columns(C_ptr, C_row, Cb_ptr, B_ptr, B_row, Bb_ptr, th_ptr, tok, valid, states_ptr, state, pmask, k0,
+                  N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, KB: tl.constexpr, MM: tl.constexpr,
+                  PREC: tl.constexpr, ROTATE: tl.constexpr):
+    """The output kernel's contractions over the 2 KB state columns from k0 on: the readout C_t Sᵀ and
+    C Bᵀ (rotated where ROTATE)."""
+    cols = k0 + tl.arange(0, 2 * KB)
+    cmask = cols < N
+    vmask_n = valid[:, None] & cmask[None, :]
+    cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
+    cr = _block_tile(C_ptr, C_row, Cb_ptr, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
+    readout = _dot(cr, tl.trans(_load_rows(states_ptr, state, cols, pmask[:, None] & cmask[None, :])), MM, PREC)
+    br = _block_tile(B_ptr, B_row, Bb_ptr, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
+    return readout, _dot(cr, tl.trans(br), MM, PREC)
 
 
 @triton.jit
@@ -245,18 +307,21 @@ def _fwd_scan_kernel(
     state = ((bi * H + hd) * NC + c) * P * N + rows_p * N
     cb = tl.zeros((L, L), dtype=tl.float32)
     readout = tl.zeros((L, PB), dtype=tl.float32)
-    for k0 in range(0, N, 2 * KB):
-        cols = k0 + tl.arange(0, 2 * KB)
-        cmask = cols < N
-        vmask_n = valid[:, None] & cmask[None, :]
-        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
-                      L, KB)
-        s = _load_rows(states_ptr, state, cols, pmask[:, None] & cmask[None, :])
-        readout += _dot(cr, tl.trans(s), MM, PREC)
-        br = _rotated(B_ptr, bi * sB_b + t * sB_t + gp * sB_g, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask,
-                      L, KB)
-        cb += _dot(cr, tl.trans(br), MM, PREC)
+    C_row = bi * sC_b + t * sC_t + gp * sC_g
+    B_row = bi * sB_b + t * sB_t + gp * sB_g
+    # The blocks with rotated pairs, then those without.
+    for k0 in range(0, _rotated_end(N, NA, KB), 2 * KB):
+        readout_part, cb_part = _scan_columns(
+            C_ptr, C_row, Cb_ptr + hd * N, B_ptr, B_row, Bb_ptr + hd * N, th_ptr, tok, valid, states_ptr, state, pmask,
+            k0, N, NA, L, KB, MM, PREC, True)
+        readout += readout_part
+        cb += cb_part
+    for k0 in range(_rotated_end(N, NA, KB), N, 2 * KB):
+        readout_part, cb_part = _scan_columns(
+            C_ptr, C_row, Cb_ptr + hd * N, B_ptr, B_row, Bb_ptr + hd * N, th_ptr, tok, valid, states_ptr, state, pmask,
+            k0, N, NA, L, KB, MM, PREC, False)
+        readout += readout_part
+        cb += cb_part
     A, seg, q, _, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
     sig = tl.load(sig_ptr + tok, mask=valid, other=0.0)
     gam = tl.load(gam_ptr + tok, mask=valid, other=0.0)
@@ -385,6 +450,8 @@ def _bwd_chunk_kernel(
 
     cb = tl.zeros((L, L), dtype=tl.float32)
     bg = tl.zeros((L, PB), dtype=tl.float32)  # G B_t
+    # One loop with every block rotated (at zero angles past n_angles): split in two like the output
+    # kernel's, to skip those rotations, it spilled more under its register cap (0.90 -> 1.00 ms).
     for k0 in range(0, N, 2 * KB):
         cols = k0 + tl.arange(0, 2 * KB)
         cmask = cols < N
@@ -458,8 +525,7 @@ def _bwd_bc_kernel(
     k0 = tl.program_id(0) * 2 * KB
     # Columns past the rotated pairs do not rotate: their programs skip the angles, the rotations and the
     # angle gradients (half of the programs at `small`, where 32 of 64 pairs rotate: 1.24 -> 1.07 ms on an
-    # H200). A compile-time branch each: a runtime one around the rotation alone stalled the forward
-    # chain's pipelining (0.32 -> 0.35 ms there).
+    # H200), in a compile-time specialization of their own.
     if k0 // 2 < NA:
         _bc_heads(x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, gstates_ptr, dy_ptr,
                   dcb_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
@@ -507,13 +573,9 @@ def _bc_heads(
         dy = _load_rows(dy_ptr, tok * P, rows_p, vmask_p)
         dcb = tl.load(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :])  # operands' dtype
         state = (bh * NC + c) * P * N + rows_p * N
-        if ROTATE:
-            cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-            cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-            br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        else:
-            cr = _biased(C_ptr, C_row, Cb_ptr + hd * N, cols, vmask_n, cmask)
-            br = _biased(B_ptr, B_row, Bb_ptr + hd * N, cols, vmask_n, cmask)
+        cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
+        cr = _block_tile(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
+        br = _block_tile(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
         s = _load_rows(states_ptr, state, cols, smask)
         g = _load_rows(gstates_ptr, state, cols, smask)
         # Taken transposed, so that the tiles shared by every column block are the second operands.
