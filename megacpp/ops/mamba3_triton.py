@@ -29,11 +29,13 @@ output on the chain took the forward 2.93 ms at `small`'s sizes on an H200 with 
 products chunk-parallel with an elementwise chain over fp32 slots 1.10 ms; the chains with their
 products, which never store the slots, 0.80 (BENCHMARKS.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
-columns are independent. Software pipelining in the chains and in the dB/dC kernel's loop over a
-group's heads, with 16-bit operands; register caps (Triton's maxnreg) on the output and
-chunk-backward kernels, with 16-bit operands, where more programs per SM paid for a few spills
-(`tilings`). `benchmarks/check_mamba3_resources.py` compiles every kernel for sm_90 and reports its
-budget.
+columns are independent. Blocks past the n_angles rotated pairs skip the angles and the rotation: a
+compile-time specialization of the programs of the forward chain and the dB/dC kernel, a loop of their
+own in the output kernel (the register-capped chunk backward rotates them at zero angles). Software
+pipelining in the chains and in the dB/dC kernel's loop over a group's heads, with 16-bit operands;
+register caps (Triton's maxnreg) on the output and chunk-backward kernels, with 16-bit operands, where
+more programs per SM paid for a few spills (`tilings`). `benchmarks/check_mamba3_resources.py` compiles
+every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
 - forward: `_fwd_states_kernel` (column block, b·h) walks the chunks in order and stores every
