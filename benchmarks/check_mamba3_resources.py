@@ -53,7 +53,7 @@ MODES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.
          "bf16-mm": (torch.bfloat16, torch.bfloat16)}
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                  torch.int32: "i32"}
-KERNELS = ("fwd_states", "fwd_scan", "bwd_states", "bwd_chunk", "bwd_bc")
+KERNELS = ("fwd_states", "fwd_scan", "gate_bwd", "bwd_states", "bwd_chunk", "bwd_bc")
 
 
 @dataclass(frozen=True)

@@ -42,15 +42,16 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   chunk's entering state (in the operand dtype: every reader rounds it to that) and the final state
   (fp32); `_fwd_scan_kernel` (c, b·h) writes chunk c's gated output from its entering state, and the
   output before the gate, which the backward reads for dL/dz.
-- backward: `_bwd_states_kernel` (column block, b·h) walks the chunks from the last one down and
-  stores dL/dS at every chunk's exit (operand dtype) and dL/d(initial state), these columns' parts of
-  dL/dq (q: the decay from the entering state) and of dL/dqL (the gradient of each chunk's whole
-  decay), and the gate's gradients, dL/dz and dL/dy before the gate (operand dtype, for the two
-  kernels below, which only multiply it or use it where it is rounded anyway); `_bwd_chunk_kernel`
-  (c, b·h) writes the gradients of x, the decays, σ, γ and D and stores dL/d(C Bᵀ) per chunk;
-  `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases' parts of each head of the
-  group, and dB, dC summed over those heads in order. The chunk kernel is register-bound: the terms
-  that need the entering state or the gate's inputs are computed where those are at hand.
+- backward: `_gate_bwd_kernel` (blocks of (b, t, h) rows) writes the gate's gradients, dL/dz and dy =
+  dL/dy before the gate (operand dtype, for the three kernels after it, which only multiply it or use it
+  where it is rounded anyway); `_bwd_states_kernel` (column block, b·h) walks the chunks from the last
+  one down and stores dL/dS at every chunk's exit (operand dtype) and dL/d(initial state), and these
+  columns' parts of dL/dq (q: the decay from the entering state) and of dL/dqL (the gradient of each
+  chunk's whole decay); `_bwd_chunk_kernel` (c, b·h) writes the gradients of x, the decays, σ, γ and D
+  and stores dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases'
+  parts of each head of the group, and dB, dC summed over those heads in order. The chunk kernel is
+  register-bound: the terms that need the entering state or the gate's inputs are computed where those
+  are at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
 in a fixed order: no atomics anywhere, so every result is run-to-run deterministic.
 
@@ -347,11 +348,33 @@ def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
 
 
 @triton.jit
+def _gate_bwd_kernel(gy_ptr, z_ptr, ypre_ptr, dy_ptr, gz_ptr, T, H, ROWS, sz_b, sz_t, sz_h,
+                     P: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
+    """Program (block of R (batch row, time, head) rows): the gate's gradients, dL/dz and dy = dL/dy
+    before the gate in the operand dtype, which the three kernels after it read (their products round
+    it to that anyway). Chunk-parallel here, it took the reverse chain, which did this per chunk, from
+    0.88 to 0.66 ms at `small` on an H200 for 0.12 ms of its own."""
+    r = tl.program_id(0) * R + tl.arange(0, R)
+    valid = r < ROWS
+    hd = r % H
+    bt = r // H
+    rr = r.to(tl.int64)
+    rows_p = tl.arange(0, PB)
+    vmask_p = valid[:, None] & (rows_p < P)[None, :]
+    z_row = (bt // T).to(tl.int64) * sz_b + (bt % T) * sz_t + hd * sz_h
+    dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, rr, z_row, rows_p, vmask_p, P)
+    rows_out = (rr * P)[:, None] + rows_p[None, :]
+    tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
+    y = _load_rows(ypre_ptr, rr * P, rows_p, vmask_p)
+    gz = gout * y * sz * (1.0 + z * (1.0 - sz))
+    tl.store(gz_ptr + rows_out, gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
+
+
+@triton.jit
 def _bwd_states_kernel(
-    z_ptr, C_ptr, Cb_ptr, th_ptr, ld_ptr, gy_ptr, ypre_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr,
-    dq_ptr, dqL_ptr, dy_ptr, gz_ptr,
+    C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
     T, H, REP, NC,
-    sz_b, sz_t, sz_h, sC_b, sC_t, sC_g,
+    sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr, HAS_FINAL: tl.constexpr,
 ):
@@ -362,9 +385,25 @@ def _bwd_states_kernel(
     dL/dq_t = dy_t · (S C_t) and of dL/dqL = Σ G ⊙ S (S: the state entering the chunk, G: the gradient
     of its exit state), in the column block's slots of `dq` (column blocks, b, t, h) and `dqL`
     (b, h, chunks, column blocks), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel has C, dy
-    and S at hand, where the chunk kernel is register-bound. The column-0 programs store the gate's
-    gradients: dL/dz, and dy = dL/dy before the gate in the operand dtype, which the chunk and dB/dC
-    kernels read instead of the gate's inputs (the products round it to that anyway)."""
+    and S at hand, where the chunk kernel is register-bound. dy is `_gate_bwd_kernel`'s."""
+    k0 = tl.program_id(0) * 2 * KB
+    if k0 // 2 < NA:  # columns past the rotated pairs skip the angles, as in `_fwd_states_kernel`
+        _bwd_chain(C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
+                   dqL_ptr, T, H, REP, NC, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, True)
+    else:
+        _bwd_chain(C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
+                   dqL_ptr, T, H, REP, NC, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, False)
+
+
+@triton.jit
+def _bwd_chain(
+    C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
+    T, H, REP, NC,
+    sC_b, sC_t, sC_g,
+    P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
+    MM: tl.constexpr, PREC: tl.constexpr, HAS_FINAL: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """`_bwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs."""
     k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
     bh = bi * H + hd
     if HAS_FINAL:
@@ -378,17 +417,10 @@ def _bwd_states_kernel(
         valid = t < T
         tok = (bi * T + t) * H + hd
         _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-        vmask_p = valid[:, None] & pmask[None, :]
-        dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, tok, bi * sz_b + t * sz_t + hd * sz_h, rows_p, vmask_p, P)
-        if k0 == 0:
-            rows_out = (tok * P)[:, None] + rows_p[None, :]
-            tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
-            y = _load_rows(ypre_ptr, tok * P, rows_p, vmask_p)
-            gz = gout * y * sz * (1.0 + z * (1.0 - sz))
-            tl.store(gz_ptr + rows_out, gz.to(gz_ptr.dtype.element_ty), mask=vmask_p)
-        cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        cr = _rotated(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
-                      valid[:, None] & cmask[None, :], cmask, L, KB)
+        dy = _load_rows(dy_ptr, tok * P, rows_p, valid[:, None] & pmask[None, :])
+        cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
+        cr = _block_tile(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
+                         valid[:, None] & cmask[None, :], cmask, L, KB, ROTATE)
         slot = (bh * NC + c) * P * N + tile
         s = tl.load(states_ptr + slot, mask=smask, other=0.0).to(tl.float32)
         readout = _dot(cr, s, MM, PREC)  # S C_t, these columns
@@ -613,6 +645,12 @@ class Tiling:
     max_registers: int | None = None  # per thread (Triton's maxnreg); None: the compiler's choice
 
 
+# Rows of head_dim per program and warps of `_gate_bwd_kernel`: at `small` on an H200 32 rows and 4 warps
+# took 0.120 ms, 64 and 4 0.128, 128 and 8 0.131.
+GATE_ROWS = 32
+GATE_WARPS = 4
+
+
 def _pow2(size: int, least: int) -> int:
     return max(least, triton.next_power_of_2(size))
 
@@ -637,15 +675,17 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
       at 168 or 200: 2.47, 1.20. Other sizes keep 4 warps (8 with fp32 operands and chunks over 32).
     - the chains with their products (2026-11-25, the kernels alone at the mixer's input layout; ms of
       the whole forward / backward): the forward's 64 columns per program, 8 warps, three stages,
-      0.83 (32 columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02); the backward's
-      all 128 columns in one program, 8 warps, three stages, 3.02 (4 warps: 4.20; 16: 3.10; 64
-      columns: 3.43; four stages exceed the shared memory). Splitting head_dim over programs instead
-      was slower in both (0.86–1.55, 3.30–4.38). fp32 operands, not timed, take 32 columns and 4
-      warps forward, 8 backward (no spills at `small` and `nam52`)."""
+      0.83 (32 columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02). The backward's
+      chain, in the mixer, with the gate's gradients in a kernel of their own: 64 columns, 4 warps,
+      three stages, 0.59–0.60 ms (two stages 0.62; 8 warps 0.66; 128 columns at 8 warps 0.62; 32
+      columns 0.60–0.66). While it computed the gate's gradients itself, each column block did that
+      again and all 128 columns in one program were fastest (the whole backward alone 3.02 ms; 64
+      columns 3.43). Splitting head_dim over programs instead was slower in both directions
+      (0.86–1.55, 3.30–4.38). fp32 operands, not timed, take 32 columns and 4 warps forward, 8
+      backward (no spills at `small` and `nam52`)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     mid = min(_pow2(d_state // 2, 8), 32)
-    wide = min(_pow2(d_state // 2, 8), 64)
     narrow = matmul_dtype.itemsize == 2
     # The register caps hold where they were timed: 16-bit operands, chunks of 64 and `small`'s tiles
     # (head_dim 64, d_state 128). Bigger tiles would spill far more under them, smaller ones need no cap.
@@ -657,7 +697,7 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     return MappingProxyType({
         "fwd_states": Tiling(block_p, mid, 8, 3) if narrow else Tiling(block_p, pairs, 4),
         "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if capped else None),
-        "bwd_states": Tiling(block_p, wide, 8, 3) if narrow else Tiling(block_p, pairs, 8),
+        "bwd_states": Tiling(block_p, mid, 4, 3) if narrow else Tiling(block_p, pairs, 8),
         "bwd_chunk": chunk,
         "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
     })
@@ -770,9 +810,13 @@ def fused_bwd(
     grad_qL_parts = x.new_empty(b, h, nc, blocks, dtype=f32)  # dL/dqL, the same
     grad_pre = x.new_empty(b, t, h, p, dtype=matmul_dtype)  # dL/dy before the gate, for two kernels
     grad_z = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    rows = b * t * h
+    launch(Launch(_gate_bwd_kernel, (triton.cdiv(rows, GATE_ROWS),), (
+        grad_y, z, y_pre, grad_pre, grad_z, t, h, rows, *z.stride()[:3],
+    ), dict(P=p, PB=st.block_p, R=GATE_ROWS, num_warps=GATE_WARPS)))
     launch(Launch(_bwd_states_kernel, (blocks, b * h), (
-        z, C, C_bias, theta, log_decay, grad_y, y_pre, states, gfinal, grad_states, grad_init,
-        grad_q_parts, grad_qL_parts, grad_pre, grad_z, t, h, h // g, nc, *z.stride()[:3], *C.stride()[:3],
+        C, C_bias, theta, log_decay, grad_pre, states, gfinal, grad_states, grad_init, grad_q_parts, grad_qL_parts,
+        t, h, h // g, nc, *C.stride()[:3],
     ), dict(_meta(st, p, n, na, chunk_size, matmul_dtype, x.device), HAS_FINAL=grad_final is not None)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
