@@ -224,6 +224,15 @@ def _state_program(T, H, REP, N: tl.constexpr, P: tl.constexpr, PB: tl.constexpr
 
 
 @triton.jit
+def _chain_start(ptr, bh, tile, smask, HAS_START: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                 PB: tl.constexpr, KB: tl.constexpr):
+    """A chain's first value on this program's tile: from ptr (b·h, p, n) in fp32, or zero."""
+    if HAS_START:
+        return tl.load(ptr + bh * P * N + tile, mask=smask, other=0.0)
+    return tl.zeros((2 * KB, PB), dtype=tl.float32)
+
+
+@triton.jit
 def _fwd_states_kernel(
     x_ptr, B_ptr, Bb_ptr, th_ptr, ld_ptr, sig_ptr, s0_ptr, states_ptr, final_ptr,
     T, H, REP, NC,
@@ -258,10 +267,7 @@ def _fwd_chain(
     """`_fwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs."""
     k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
     bh = bi * H + hd
-    if HAS_INIT:
-        v = tl.load(s0_ptr + bh * P * N + tile, mask=smask, other=0.0)
-    else:
-        v = tl.zeros((2 * KB, PB), dtype=tl.float32)
+    v = _chain_start(s0_ptr, bh, tile, smask, HAS_INIT, P, N, PB, KB)
     for c in range(NC):
         t = c * L + tl.arange(0, L)
         valid = t < T
@@ -406,10 +412,7 @@ def _bwd_chain(
     """`_bwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs."""
     k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
     bh = bi * H + hd
-    if HAS_FINAL:
-        v = tl.load(gfinal_ptr + bh * P * N + tile, mask=smask, other=0.0)
-    else:
-        v = tl.zeros((2 * KB, PB), dtype=tl.float32)
+    v = _chain_start(gfinal_ptr, bh, tile, smask, HAS_FINAL, P, N, PB, KB)
     dq_block = dq_ptr + tl.program_id(0) * (tl.num_programs(1).to(tl.int64) * T)
     for i in range(NC):
         c = NC - 1 - i
