@@ -345,15 +345,6 @@ def _fwd_scan_kernel(
 
 
 @triton.jit
-def _gated_grad(gy_ptr, z_ptr, tok, z_row, rows_p, vmask_p, P: tl.constexpr):
-    """dL/dy before the gate, silu(z) and sigmoid(z), from dL/d(gated output)."""
-    gout = _load_rows(gy_ptr, tok * P, rows_p, vmask_p)
-    z = _load_rows(z_ptr, z_row, rows_p, vmask_p)
-    sz = tl.sigmoid(z)
-    return gout * z * sz, gout, z, sz
-
-
-@triton.jit
 def _gate_bwd_kernel(gy_ptr, z_ptr, ypre_ptr, dy_ptr, gz_ptr, T, H, ROWS, sz_b, sz_t, sz_h,
                      P: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
     """Program (block of R (batch row, time, head) rows): the gate's gradients, dL/dz and dy = dL/dy
@@ -368,7 +359,10 @@ def _gate_bwd_kernel(gy_ptr, z_ptr, ypre_ptr, dy_ptr, gz_ptr, T, H, ROWS, sz_b, 
     rows_p = tl.arange(0, PB)
     vmask_p = valid[:, None] & (rows_p < P)[None, :]
     z_row = (bt // T).to(tl.int64) * sz_b + (bt % T) * sz_t + hd * sz_h
-    dy, gout, z, sz = _gated_grad(gy_ptr, z_ptr, rr, z_row, rows_p, vmask_p, P)
+    gout = _load_rows(gy_ptr, rr * P, rows_p, vmask_p)
+    z = _load_rows(z_ptr, z_row, rows_p, vmask_p)
+    sz = tl.sigmoid(z)
+    dy = gout * z * sz
     rows_out = (rr * P)[:, None] + rows_p[None, :]
     tl.store(dy_ptr + rows_out, dy.to(dy_ptr.dtype.element_ty), mask=vmask_p)
     y = _load_rows(ypre_ptr, rr * P, rows_p, vmask_p)
@@ -430,7 +424,8 @@ def _bwd_chain(
         tl.store(dq_block + tok, tl.sum(dy * readout, 1), mask=valid)
         tl.store(gstates_ptr + slot, v.to(gstates_ptr.dtype.element_ty), mask=smask)
         tl.store(dqL_ptr + (bh * NC + c) * tl.num_programs(0) + tl.program_id(0), tl.sum(tl.sum(v * s, 1), 0))
-        v = qL * v + _dot(tl.trans(cr), dy * q[:, None], MM, PREC)
+        # q scales C, not the stored dy, so that each term rounds twice (C q, dy), as the other products.
+        v = qL * v + _dot(tl.trans(cr * q[:, None]), dy, MM, PREC)
     tl.store(ginit_ptr + bh * P * N + tile, v, mask=smask)
 
 
