@@ -12,6 +12,7 @@ from megacpp.model.moe import (
     MoEConfig,
     dispatch_slots,
     expert_capacity,
+    expert_order,
     grouped_expert_rows,
     padded_expert_rows,
     permute_rows,
@@ -149,6 +150,27 @@ def test_tier1_bias_affects_selection_only():
     # Weights are the unbiased scores of the new selection, normalised: 0.1 and 0.9 over their sum.
     picked = torch.tensor([[0.1, 0.9]])
     assert torch.equal(w2, picked / picked.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize(("shape", "k"), [((5, 16), 2), ((2, 7, 9), 3), ((3, 4), 4), ((11, 6), 1)])
+def test_tier1_route_picks_what_topk_picks(shape, k):
+    """The fused selection equals torch.topk's (sorted, highest first) on tie-free random scores and a
+    random bias, and the weights are the gathered unbiased scores over their sum, bitwise."""
+    gen = torch.Generator().manual_seed(k * 31 + len(shape))
+    scores = torch.sigmoid(torch.randn(shape, generator=gen))
+    bias = 0.1 * torch.randn(shape[-1], generator=gen)
+    idx, weights = token_choice_route(scores, bias, top_k=k)
+    want = torch.topk(scores + bias, k, dim=-1).indices
+    picked = scores.gather(-1, want)
+    assert torch.equal(idx, want)
+    assert torch.equal(weights, picked / picked.sum(dim=-1, keepdim=True))
+
+
+def test_tier1_route_breaks_ties_toward_the_lower_expert():
+    scores = torch.tensor([[0.5, 0.7, 0.7, 0.7]])
+    idx, weights = token_choice_route(scores, torch.zeros(4), top_k=2)
+    assert idx.tolist() == [[1, 2]]
+    assert torch.equal(weights, torch.tensor([[0.5, 0.5]]))
 
 
 def test_tier1_update_bias_applies_sign_rule():
@@ -362,6 +384,26 @@ def test_tier1_permute_rows_is_a_gather_whose_gradient_is_the_inverse_gather():
         (y * upstream).sum().backward()
         grads.append((y.detach(), x.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize(
+    ("b", "m", "n_exp", "skew"), [(1, 1, 1, False), (3, 37, 5, False), (5, 257, 16, True), (2, 4096, 8, True)]
+)
+def test_tier1_expert_order_is_the_stable_argsort_and_its_inverse(b, m, n_exp, skew):
+    """expert_order gives torch's stable argsort of the row-major expert ids, its inverse permutation
+    and the per-expert counts; skewed: ids mostly from the lower half and the last expert with no rows."""
+    gen = torch.Generator().manual_seed(b * m + n_exp)
+    routed = torch.randint(0, n_exp, (b, m), generator=gen)
+    if skew:
+        routed = torch.where(torch.rand(b, m, generator=gen) < 0.9, routed % (n_exp // 2), routed)
+        routed = torch.where(routed == n_exp - 1, 0, routed)
+    order, position, counts = expert_order(routed, n_exp)
+    flat = routed.flatten()
+    assert not skew or int(counts[-1]) == 0
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(position[order], torch.arange(b * m))
+    assert torch.equal(counts, torch.bincount(flat, minlength=n_exp))
+    assert order.dtype == position.dtype == torch.int64
 
 
 @pytest.mark.parametrize(("b", "t", "k", "n_exp", "unused"), [(2, 9, 2, 4, None), (3, 7, 3, 5, 2), (1, 13, 1, 6, 0)])

@@ -68,10 +68,24 @@ def token_choice_route(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor
     shaped like scores with the last axis k.
 
     The bias changes which experts are selected, never the weights: those are the selected unbiased
-    scores normalised to sum 1 per token."""
-    expert_idx = torch.topk(scores + bias, top_k, dim=-1).indices
-    picked = scores.gather(-1, expert_idx)
-    return expert_idx, picked / picked.sum(dim=-1, keepdim=True)
+    scores normalised to sum 1 per token.
+
+    The picks are top_k rounds of argmax (highest first, as topk sorts them; a tie goes to the lower
+    expert) and each picked score is a masked sum over the expert axis, where it is the only non-zero
+    term, so exact. Compiled, selection, weights and their backward fuse into the kernels around them:
+    torch.topk and the gather's scatter-add backward were four library kernels of their own, and
+    topk alone ~75 µs a call at `small` (BENCHMARKS.md, issue 12)."""
+    experts = torch.arange(scores.shape[-1], device=scores.device)
+    candidates = scores + bias
+    picks, picked = [], []
+    for _ in range(top_k):
+        pick = candidates.argmax(dim=-1, keepdim=True)
+        chosen = experts == pick
+        picks.append(pick)
+        picked.append(torch.where(chosen, scores, 0).sum(dim=-1, keepdim=True))
+        candidates = candidates.masked_fill(chosen, -math.inf)
+    expert_idx, picked_scores = torch.cat(picks, dim=-1), torch.cat(picked, dim=-1)
+    return expert_idx, picked_scores / picked_scores.sum(dim=-1, keepdim=True)
 
 
 def dispatch_slots(expert_idx: Tensor, n_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,14 +155,39 @@ def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     return _PermuteRows.apply(x, index, inverse)
 
 
+def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A stable sort of routed rows by expert, without a sort: (order, position, counts).
+
+    routed (b, m) holds each routed row's expert, b batch rows of m each, flattened row-major. order[j]
+    is the routed row at sorted position j (what ``argsort(routed.flatten(), stable=True)`` returns),
+    position its inverse (routed row -> sorted position) and counts (n_experts,) the rows per expert.
+    A routed row's sorted position is its expert's first position, plus that expert's rows in earlier
+    batch rows, plus its rank among them in its own: a running count along m per (batch row, expert),
+    which Inductor fuses with the one-hot, where a radix sort over the int64 ids is a chain of library
+    kernels, each a launch the host pays for (E is host-bound on slower hosts; BENCHMARKS.md, issue
+    12). The count runs along m, not along all b*m rows: one scan per (row, expert), in parallel."""
+    b, m = routed.shape
+    experts = torch.arange(n_experts, device=routed.device)
+    one_hot = (routed.unsqueeze(1) == experts.view(1, -1, 1)).int()  # (b, E, m)
+    seen = one_hot.cumsum(dim=-1, dtype=torch.int32)  # rows routed to each expert so far in the row
+    per_row = seen[..., -1]  # (b, E)
+    counts = per_row.sum(dim=0, dtype=torch.int64)
+    first = counts.cumsum(dim=0) - counts
+    earlier = per_row.cumsum(dim=0, dtype=torch.int32) - per_row  # (b, E): in earlier batch rows
+    rank = seen.gather(1, routed.unsqueeze(1)).squeeze(1) - 1 + earlier.gather(1, routed)
+    position = (rank.long() + first[routed]).reshape(b * m)
+    order = torch.empty_like(position).index_copy_(0, position, torch.arange(b * m, device=routed.device))
+    return order, position, counts
+
+
 def grouped_expert_rows(
     x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """Every (token, slot) assignment's expert output, dropless, as two grouped GEMMs in `dtype`.
 
     Same arguments and rows as `padded_expert_rows` (nothing is dropped, so no keep mask); rows come
-    back in `dtype`. The b*t*k routed rows are put in expert order (a stable sort: within an expert,
-    (row, token, slot) order), each projection is one grouped GEMM over the experts' contiguous row
+    back in `dtype`. The b*t*k routed rows are put in expert order (`expert_order`, stable: within an
+    expert, (row, token, slot) order), each projection is one grouped GEMM over the experts' contiguous row
     ranges, and the rows go back to (token, slot) order. Both moves are gathers by a permutation whose
     backward gathers by the inverse one (`permute_rows`): deterministic, and compiled, each fuses into
     its neighbour (the cast and the k-fold copy of x; the caller's combine), where scattering into
@@ -157,11 +196,7 @@ def grouped_expert_rows(
     b, t, k = expert_idx.shape
     d, n_exp = x.shape[-1], w_up.shape[0]
     n = b * t * k
-    flat = expert_idx.reshape(n)
-    order = torch.argsort(flat, stable=True)  # sorted position -> routed row
-    arange = torch.arange(n, device=flat.device)
-    position = torch.empty_like(order).index_copy_(0, order, arange)  # routed row -> sorted position
-    counts = (flat.unsqueeze(-1) == torch.arange(n_exp, device=flat.device)).sum(dim=0)
+    order, position, counts = expert_order(expert_idx.reshape(b, t * k), n_exp)
     offs = counts.cumsum(dim=0).to(torch.int32)
     x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
     x_sorted = permute_rows(x_rep, order, position)
