@@ -54,8 +54,9 @@ from megacpp.presets import PRESETS, dense_of, preset
 from megacpp.runtime.device import peak_flops
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
-# The M pair is timed twice: from an idle GPU, so a host that launches slower than the GPU runs shows
-# (mamba_ssm's eager layer is host-bound on slower hosts), and with the host's cost hidden.
+# The M pair and E are timed twice: from an idle GPU, so a host that launches slower than the GPU runs
+# shows (mamba_ssm's eager layer and E's many small kernels are host-bound on slower hosts), and with the
+# host's cost hidden, as in a training step, whose host runs ahead of the GPU.
 DEVICE_TIME_NOTE = "queued behind a GPU spin: the host's cost hidden (timing.device_ms)"
 
 # row -> the anchor row it is compared with in the table
@@ -98,10 +99,13 @@ def bench_experts(cfg, d_model: int, b: int, t: int, iters: int, dev: torch.devi
         with torch.no_grad():  # the zero-initialised output projections would time GEMMs on zeros
             moe.w_down.normal_(std=d_model**-0.5)
             moe.shared_down.weight.normal_(std=d_model**-0.5)
-        ms = fwd_bwd_ms(torch.compile(moe), x, iters=iters)
+        compiled = torch.compile(moe)
+        ms = fwd_bwd_ms(compiled, x, iters=iters)
         note = f"graph breaks {graph_breaks()}, dropped {int(moe.overflow)} of {b * t * moe_cfg.top_k} assignments"
-        rows.append((f"E sublayer fwd+bwd, {dispatch} dispatch, compiled", ms, None, note))
-        print(f"{rows[-1][0]}: {ms:.2f} ms ({note})", flush=True)
+        emit(rows, (f"E sublayer fwd+bwd, {dispatch} dispatch, compiled", ms, None, note))
+        if dispatch == "grouped" and dev.type == "cuda":
+            emit(rows, ("E sublayer fwd+bwd, grouped dispatch, compiled, device time",
+                        device_ms(fwd_bwd_step(compiled, x), dev, warmup=1, iters=iters), None, DEVICE_TIME_NOTE))
     # Same weights, a capacity nothing overflows: the two dispatches compute the same rows in bf16.
     modules["padded"].cfg.capacity_factor = cfg.model.moe.n_experts / cfg.model.moe.top_k
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -250,8 +254,8 @@ def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[
             print(f"{kind}{label}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         emit(rows, (f"{kind} sublayer fwd+bwd, compiled{label}", ms, None, "512-token documents"))
-        if kind == "M" and not label and dev.type == "cuda":
-            emit(rows, ("M sublayer fwd+bwd, compiled, device time",
+        if kind in ("M", "E") and not label and dev.type == "cuda":
+            emit(rows, (f"{kind} sublayer fwd+bwd, compiled, device time",
                         device_ms(fwd_bwd_step(compiled, x, docs), dev, warmup=1, iters=iters), None,
                         DEVICE_TIME_NOTE))
     return rows
