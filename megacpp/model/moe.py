@@ -162,7 +162,8 @@ def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor
     is the routed row at sorted position j (what ``argsort(routed.flatten(), stable=True)`` returns),
     position its inverse (routed row -> sorted position) and counts (n_experts,) the rows per expert.
     A routed row's sorted position is its expert's first position, plus that expert's rows in earlier
-    batch rows, plus its rank among them in its own: a running count along m per (batch row, expert),
+    batch rows, plus its rank among that expert's rows in its own: a running count along m per (batch
+    row, expert),
     which Inductor fuses with the one-hot, where a radix sort over the int64 ids is a chain of library
     kernels, each a launch the host pays for (E is host-bound on slower hosts; BENCHMARKS.md, issue
     12). The count runs along m, not along all b*m rows: one scan per (row, expert), in parallel."""
