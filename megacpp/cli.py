@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
 import os
@@ -96,18 +97,15 @@ def _check_checkpoint_overrides(command: str, args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
-    from megacpp.train.autofit import AutoFitChild
-    from megacpp.train.supervisor import supervise, wants_supervisor
+    from megacpp.train.autofit.supervisor import supervise, wants_supervisor
 
     if wants_supervisor(cfg):  # CUDA: the training runs (and re-runs, after a warmup OOM) as a child
         return supervise(cfg, args.argv, args.resume)
+    from megacpp.train.autofit.attempt import attempt_from_env
     from megacpp.train.loop import train
     from megacpp.train.report import run_summary
 
-    child = AutoFitChild.from_env()
-    if child is not None and child.micro_batch is not None:  # a retry: the supervisor's choice wins
-        cfg.train.micro_batch = child.micro_batch
-    result = train(cfg, resume=args.resume, progress=not args.no_progress, autofit=child)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, attempt=attempt_from_env())
     if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
         print(run_summary(result))
     return 0
@@ -212,7 +210,7 @@ def cmd_params(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.model.hybrid import HybridLM
     from megacpp.model.params import parameter_table
 
-    cfg.model.vocab_size = cfg.data.vocab_size  # training takes it from the tokenizer, of this size
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.data.vocab_size))
     with torch.device("meta"):  # counts need shapes only: even nam52 costs no memory
         model = HybridLM(cfg.model)
     print(f"{cfg.model.pattern} tiled to {cfg.model.depth}: {model.layout}")

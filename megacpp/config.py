@@ -25,6 +25,7 @@ from megacpp.distributed.config import DistConfig
 from megacpp.errors import MegacppError
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
+from megacpp.section import Section
 from megacpp.train.config import TrainConfig
 
 if sys.version_info >= (3, 11):
@@ -34,7 +35,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 @dataclass
-class Config:
+class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,6 +1,7 @@
 """The one way to build a run's config: preset < TOML file < command-line overrides, later layers
 winning, each value's origin recorded (`Provenance`), then the gate (`megacpp.validate`) before any
-data work; and a saved config (a checkpoint's meta.json) read back through the same gate.
+data work; and a saved config (a checkpoint's meta.json) read back through the same gate. What passes
+the gate is frozen (megacpp.section): the values it accepted are the values every layer reads.
 
 It sits above `megacpp.config` (the dataclasses and parsing), `megacpp.presets` and `megacpp.validate`,
 which all build on `megacpp.config`, so none of them imports another late.
@@ -22,6 +23,7 @@ from megacpp.config import (
     read_toml,
 )
 from megacpp.presets import PRESETS, preset
+from megacpp.section import freeze, is_frozen
 from megacpp.validate import validate_config
 
 DEFAULT_PRESET = "tiny"
@@ -68,8 +70,7 @@ def load_config(
     cfg = apply_overrides(cfg, overrides)
     for dotted, _ in overrides:
         sources.record(dotted, cli_where(dotted))
-    validate_config(cfg, sources)
-    return cfg, sources
+    return gate(cfg, sources), sources
 
 
 def load_toml(path: str | Path) -> Config:
@@ -82,5 +83,13 @@ def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
     cfg = Config()
     sources = Provenance(source)
     merge_dict(cfg, data, lambda _key: source, sources)
+    return gate(cfg, sources)
+
+
+def gate(cfg: Config, sources: Provenance | None = None) -> Config:
+    """The gate, once: a frozen copy of ``cfg`` if it passes (a frozen config has passed already and is
+    returned as it is). ``sources`` names where each value came from in the errors."""
+    if is_frozen(cfg):
+        return cfg
     validate_config(cfg, sources)
-    return cfg
+    return freeze(cfg)

@@ -10,12 +10,11 @@ from megacpp.distributed.context import DistContext
 from megacpp.presets import preset
 from megacpp.runtime.checkpoint import (
     CheckpointError,
-    check_compatible,
-    check_resume_settings,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
 )
+from megacpp.train.resume_rules import check_compatible, check_resume_settings
 
 
 def _model(step: float) -> nn.Linear:

@@ -52,6 +52,7 @@ def test_the_trainer_reports_its_dist_init_timeout_s(monkeypatch, tmp_path):
     from megacpp.compile import entry
     from megacpp.config import Config
     from megacpp.train import loop
+    from megacpp.train.autofit.attempt import Attempt
 
     class Stop(Exception):
         pass
@@ -63,12 +64,12 @@ def test_the_trainer_reports_its_dist_init_timeout_s(monkeypatch, tmp_path):
         reports.append(status.format())
         return status
 
-    def stop(self):
+    def stop(self, *_args):
         raise Stop
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(loop, "prepare_compile", prepare_and_record)
-    monkeypatch.setattr(loop.Trainer, "_init_distributed", stop)
+    monkeypatch.setattr(Attempt, "init_distributed", stop)
     cfg = Config()
     cfg.dist.init_timeout_s = 321.0
     cfg.compile.mode, cfg.compile.cache_dir = "none", str(tmp_path)

@@ -127,8 +127,7 @@ def test_tier1_the_end_of_run_line_counts_spikes_and_names_where_they_start():
 
 def test_tier1_the_run_summary_prints_the_spike_line(tmp_path):
     from megacpp.data.baselines import Baselines
-    from megacpp.train.loop import TrainResult
-    from megacpp.train.report import run_summary
+    from megacpp.train.report import TrainResult, run_summary
 
     baselines = Baselines(unigram_bpb=2.0, xz_bpb=0.9, xz_given_train_bpb=0.6, val_bytes=1000, context_bytes=10,
                           train_bytes=10)

@@ -3,9 +3,9 @@ supervisor that retries a warmup OOM with half the micro-batch in a fresh proces
 child's crash made visible, Ctrl-C through the supervisor, the micro-batch kept on --resume, and two
 torchrun ranks retrying together when only one of them runs out of memory.
 
-OOMs are injected with the test-only hook MEGACPP_TEST_OOM_ABOVE (megacpp.train.autofit.injected_oom),
-which also turns the supervisor on on CPU; crashes with tests/hooks/sitecustomize.py. Every process is
-started under a wall-clock limit (tests/torchrun.py): a hang fails its test.
+OOMs (MEGACPP_TEST_OOM_ABOVE, which also turns the supervisor on on CPU) and crashes
+(MEGACPP_TEST_CRASH_AT_STEP) are injected by tests/hooks/sitecustomize.py, put first on PYTHONPATH by
+`_hooked`. Every process is started under a wall-clock limit (tests/torchrun.py): a hang fails its test.
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ from megacpp.config import ConfigError
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.parity import relevant_env
-from megacpp.distributed.rendezvous import oom_key
 from megacpp.run_config import load_config
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
-from megacpp.train.autofit import MICRO_BATCH_ENV, REPORT_ENV, OomReport, next_micro_batch
-from megacpp.train.child_output import ChildOutput
+from megacpp.train.autofit.attempt import REPORT_ENV, OomReport, next_micro_batch
+from megacpp.train.autofit.child_output import ChildOutput
+from megacpp.train.autofit.rendezvous import oom_key
+from megacpp.train.autofit.supervisor import Job, _run_attempt, child_command, child_environment
 from megacpp.train.loop import Trainer
-from megacpp.train.supervisor import Job, _run_attempt, child_environment
 from tests.helpers import tiny_train_args, tiny_train_config, write_corpus
 from tests.torchrun import ROOT, Launch, python, torchrun, worker_env
 
@@ -68,10 +68,17 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[name], b[name]), name
 
 
+def _hooked(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the fault-injection hooks (tests/hooks/sitecustomize.py) first on PYTHONPATH."""
+    return {**env, "PYTHONPATH": f"{HOOKS}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def _cli(tmp_path: Path, corpus: Path, env: dict[str, str] | None = None, timeout: float = 300,
          extra: tuple[str, ...] = (), **overrides: str) -> Launch:
-    """`python -m megacpp.cli train` on the tiny test model, batch 4 unless overridden."""
-    return python(["-m", "megacpp.cli", *tiny_train_args(tmp_path, corpus, **overrides), *extra], timeout, env)
+    """`python -m megacpp.cli train` on the tiny test model, batch 4 unless overridden; with ``env``
+    (a hook's settings) the hooks are on PYTHONPATH."""
+    return python(["-m", "megacpp.cli", *tiny_train_args(tmp_path, corpus, **overrides), *extra], timeout,
+                  _hooked(env) if env else None)
 
 
 # ---------------------------------------------------------------- micro-batch arithmetic and plumbing
@@ -128,14 +135,22 @@ def test_tier1_micro_batches_feed_the_same_rows_in_order_and_keep_the_schedule(t
 
 
 def test_a_retry_environment_lowers_distributed_debug_and_asks_for_nccl_error_handling(tmp_path):
-    base = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", MICRO_BATCH_ENV: "16"}
-    first = child_environment(base, 1, None, tmp_path / "r.json")
-    assert first["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and MICRO_BATCH_ENV not in first
-    retry = child_environment(base, 2, 4, tmp_path / "r.json")
+    base = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    first = child_environment(base, 1, tmp_path / "r.json")
+    assert first["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    retry = child_environment(base, 2, tmp_path / "r.json")
     assert retry["TORCH_DISTRIBUTED_DEBUG"] == "OFF" and retry["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    assert retry[MICRO_BATCH_ENV] == "4" and retry[REPORT_ENV] == str(tmp_path / "r.json")
-    assert child_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, 2, 4, tmp_path)[
+    assert retry[REPORT_ENV] == str(tmp_path / "r.json")
+    assert child_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, 2, tmp_path)[
         "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's own setting stays
+
+
+def test_a_retry_gets_its_micro_batch_last_on_its_command_line():
+    """The supervisor's choice reaches the child through the configuration's own command line, after the
+    user's arguments, so it wins over a --train.micro_batch the user gave (later overrides win)."""
+    argv = ["train", "--train.micro_batch", "8"]
+    assert child_command(argv, None)[-3:] == argv
+    assert child_command(argv, 2)[-5:] == [*argv, "--train.micro_batch", "2"]
 
 
 class _Stop(Exception):
@@ -166,9 +181,9 @@ def test_a_retry_forms_its_nccl_communicators_lazily_on_its_own_store(monkeypatc
     assert call["store"] is store and call["rank"] == 1 and call["world_size"] == 2
 
 
-def test_parity_ignores_the_per_rank_autofit_variables_but_compares_the_micro_batch():
-    env = {REPORT_ENV: "/run/logs/attempt1.rank1.oom.json", MICRO_BATCH_ENV: "4", "PATH": "/bin"}
-    assert relevant_env(env) == {MICRO_BATCH_ENV: "4"}
+def test_parity_ignores_the_per_rank_autofit_variables():
+    env = {REPORT_ENV: "/run/logs/attempt1.rank1.oom.json", "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "PATH": "/bin"}
+    assert relevant_env(env) == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 
 
 def test_child_output_streams_bytes_logs_finished_lines_and_keeps_a_tail(tmp_path):
@@ -269,9 +284,7 @@ def test_out_of_memory_at_the_floor_is_one_line_naming_the_smallest_micro_batch_
 
 @pytest.mark.slow
 def test_a_crashing_child_is_shown_with_its_tail_and_logged_in_the_run_directory(tmp_path, corpus):
-    env = {"MEGACPP_TEST_OOM_ABOVE": "1000", "MEGACPP_TEST_CRASH_AT_STEP": "2",
-           "PYTHONPATH": f"{HOOKS}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    launch = _cli(tmp_path, corpus, env=env)
+    launch = _cli(tmp_path, corpus, env={"MEGACPP_TEST_OOM_ABOVE": "1000", "MEGACPP_TEST_CRASH_AT_STEP": "2"})
     assert launch.returncode == 1
     log = tmp_path / "run" / "logs" / "attempt1.log"
     header = (f"megacpp: error: the training process (attempt 1) failed (exit 1); the last 40 lines of its output "
@@ -289,7 +302,7 @@ def test_ctrl_c_on_the_supervisor_reaches_the_child_which_saves_and_exits_130(tm
     reach it): the child finishes its step, saves, prints how to resume; the supervisor exits 130."""
     args = tiny_train_args(tmp_path, corpus, **{"train.steps": "1000", "train.ckpt_every": "1000"})
     proc = subprocess.Popen([sys.executable, "-m", "megacpp.cli", *args], cwd=ROOT,
-                            env=worker_env({"MEGACPP_TEST_OOM_ABOVE": "1000"}), stdout=subprocess.PIPE,
+                            env=worker_env(_hooked({"MEGACPP_TEST_OOM_ABOVE": "1000"})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
@@ -320,7 +333,7 @@ def test_two_ranks_retry_together_when_only_rank_1_runs_out_of_memory(tmp_path, 
     (torch.equal) and weights as a 2-rank run started at micro-batch 1."""
     overrides = {"train.batch_size": "2"}
     retried = torchrun(["-m", "megacpp.cli", *tiny_train_args(tmp_path / "retried", corpus, **overrides)],
-                       timeout=400, env={"MEGACPP_TEST_OOM_ABOVE": "1:1"}).check()
+                       timeout=400, env=_hooked({"MEGACPP_TEST_OOM_ABOVE": "1:1"})).check()
     said = [line for line in retried.output.splitlines()
             if "megacpp: auto-fit: out of memory in warmup step 1 on rank 1 at micro-batch 2" in line]
     assert len(said) == 2 and {s[:len("[default0]")] for s in said} == {"[default0]", "[default1]"}, retried.output

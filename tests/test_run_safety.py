@@ -20,7 +20,8 @@ from megacpp.cli import main
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
 from megacpp.runtime.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
-from megacpp.train.loop import DivergenceError, NonFiniteWeightsError, Trainer
+from megacpp.train.guards import DivergenceError, NonFiniteWeightsError
+from megacpp.train.loop import Trainer
 from megacpp.train.metrics import MetricsLogger, plot_loss, read_metrics
 from megacpp.train.rundir import LOCK_NAME, RunLock
 from tests.helpers import tiny_train_args, tiny_train_config

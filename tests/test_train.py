@@ -9,7 +9,8 @@ import torch
 from megacpp.cli import main
 from megacpp.data.baselines import BASELINES_FILE
 from megacpp.runtime.checkpoint import list_checkpoints
-from megacpp.train.loop import NonFiniteLossError, Trainer
+from megacpp.train.guards import NonFiniteLossError
+from megacpp.train.loop import Trainer
 from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics
 from tests.helpers import tiny_train_args, tiny_train_config
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from megacpp.section import Section
+
 CompileMode = Literal["none", "model", "blocks"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 MODES = get_args(CompileMode)
@@ -11,7 +13,7 @@ BACKENDS = get_args(CompileBackend)
 
 
 @dataclass
-class CompileConfig:
+class CompileConfig(Section):
     mode: CompileMode = "blocks"  # model: the whole model; blocks: each block of model.blocks on its own
     backend: CompileBackend = "inductor"  # eager: Dynamo capture only, no lowering
     fullgraph: bool = False  # True: Dynamo raises at the first break instead of the bound check counting it

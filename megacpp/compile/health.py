@@ -189,6 +189,11 @@ class CompileHealth:
             self._labels[(code.co_filename, code.co_firstlineno)] = label
             self._callsite(label, code.co_filename).modules += 1
 
+    @property
+    def warm(self) -> bool:
+        """Whether `end_warmup` was called: from then on a recompile is a regression."""
+        return self._warm
+
     def end_warmup(self) -> None:
         """Warmup is over: stop marking the batch axis; from now on every recompile counts against the bound."""
         self.refresh()
@@ -323,6 +328,12 @@ class CompileHealth:
             total.late_recompile_guards += [f"{s.name}: {g}" for g in s.late_recompile_guards]
             total.failures += [f"{s.name}: {f}" for f in s.failures]
         return total
+
+    def summary(self) -> dict[str, float]:
+        """The run's compile figures, for its metrics record."""
+        totals = self.totals()
+        return {"graphs": totals.graphs, "graph_break_sites": len(self.break_sites()),
+                "recompiles_after_warmup": totals.recompiles_after_warmup, "compile_time_s": totals.compile_time_s}
 
     def violations(self) -> list[str]:
         """Bound violations, each a sentence naming callsites and reasons; empty when healthy."""

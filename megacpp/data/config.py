@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from megacpp.section import Section
+
 SOURCE_EXTENSIONS = [
     ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
 ]
@@ -23,7 +25,7 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     # Directories and/or files; None = the C++ headers shipped inside torch (torch/include); "system" =
     # every C/C++ include tree on the machine (megacpp.data.system_corpus).
     corpus: list[str] | Literal["system"] | None = None

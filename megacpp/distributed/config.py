@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megacpp.section import Section
+
 
 @dataclass
-class DistConfig:
+class DistConfig(Section):
     # FSDP2: free each block's gathered weights after its forward and gather them again for the
     # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
     # whole model resident; on (nam52) trades a second all-gather for memory.

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from megacpp.compile.versions import torch_version
 from megacpp.distributed.context import DistContext, DistError
 from megacpp.optim.local import is_sharded
-from megacpp.train.autofit import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
+from megacpp.train.autofit.attempt import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
 
 # Environment variables that change what torch compiles or how it computes; per-rank variables
 # (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, ...) and paths are deliberately absent.
@@ -130,3 +130,12 @@ def _describe_mismatch(key: str, values: list[Any]) -> str:
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def weight_fingerprint(model: nn.Module) -> str:
+    """A digest of every weight's float64 sum and sum of squares (cheap on the device, and any
+    difference between ranks' initial weights changes it)."""
+    with torch.no_grad():
+        moments = [(name, torch.stack([p.double().sum(), p.double().square().sum()]))
+                   for name, p in model.state_dict().items() if p.is_floating_point()]
+    return tensor_digest(moments)

@@ -1,6 +1,7 @@
 """A trained model loaded from a checkpoint, for ``megacpp eval`` and ``megacpp sample``."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,7 @@ class Session:
 
     def evaluate(self, batches: int) -> tuple[float, Baselines]:
         """Bits per byte on `batches` validation batches, and the baselines of the same split."""
-        data_cfg = self.config.data
-        data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
+        data_cfg = dataclasses.replace(self.config.data, tokenizer_path=str(self.checkpoint / "tokenizer.json"))
         data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
 
@@ -92,8 +92,8 @@ def load_session(path: str | Path, cfg: Config) -> Session:
     ckpt = resolve_checkpoint(path)
     device = resolve_device(cfg.train.device)
     model_state, _, meta = load_checkpoint(ckpt, map_location=device)
-    config = from_dict(meta["config"], source=f"{ckpt}/meta.json")
-    config.train.device = cfg.train.device
+    saved = from_dict(meta["config"], source=f"{ckpt}/meta.json")
+    config = dataclasses.replace(saved, train=dataclasses.replace(saved.train, device=cfg.train.device))
     model = HybridLM(config.model).to(device)
     model.load_state_dict(model_state)
     model.eval()

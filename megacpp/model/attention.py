@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from megacpp.model.hints import ParamHint
 from megacpp.model.rope import apply_rope, rope_table
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, block_mask, segments_of
+from megacpp.section import Section
 
 QkClipMode = Literal["off", "weight", "activation"]
 AttentionBackend = Literal["auto", "sdpa", "flex"]
@@ -28,7 +29,7 @@ QK_NORM_EPS = 1e-6  # fixed so bf16 inputs do not get finfo(bf16).eps = 7.8e-3 a
 
 
 @dataclass
-class AttentionConfig:
+class AttentionConfig(Section):
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32

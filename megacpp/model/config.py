@@ -10,10 +10,11 @@ from megacpp.model.m2rnn import M2RNNConfig
 from megacpp.model.mamba3 import Mamba3Config
 from megacpp.model.moe import MoEConfig
 from megacpp.ops.softcap_xent import LossKernel
+from megacpp.section import Section
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     vocab_size: int = 4096  # replaced by the tokenizer's size when training
     d_model: int = 128
     depth: int = 10

@@ -14,13 +14,14 @@ from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
+from megacpp.section import Section
 
 WINDOWS = (2, 3, 4)  # Engram averages the current token with the previous 1, 2 and 3
 _GOLDEN = 0x9E3779B1  # odd 32-bit golden-ratio constant; the seed of the fixed hash multipliers
 
 
 @dataclass
-class EngramConfig:
+class EngramConfig(Section):
     layers: list[int] = field(default_factory=list)  # block indices that get an Engram branch
     dim: int = 64
     gate: bool = False

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.segments import WHOLE_ROWS, Segments
+from megacpp.section import Section
 
 Activation = Literal["relu2", "swiglu"]
 ACTIVATIONS = get_args(Activation)
 
 
 @dataclass
-class FFNConfig:
+class FFNConfig(Section):
     hidden: int = 512
     activation: Activation = "relu2"
 

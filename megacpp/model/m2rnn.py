@@ -17,10 +17,11 @@ from torch import Tensor, nn
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
+from megacpp.section import Section
 
 
 @dataclass
-class M2RNNConfig:
+class M2RNNConfig(Section):
     n_heads: int = 4
     key_dim: int = 32
     value_dim: int = 32

@@ -18,12 +18,13 @@ from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.mamba3_angles import document_angles, document_angles_reference
 from megacpp.ops.mamba3_fused import ScanKernel, biased_heads, mamba3_fused_scan, rotate_pairs
 from megacpp.ops.mamba3_scan import mamba3_step
+from megacpp.section import Section
 
 ScanMatmuls = Literal["fp32", "activation"]
 
 
 @dataclass
-class Mamba3Config:
+class Mamba3Config(Section):
     d_state: int = 16
     expand: int = 2
     head_dim: int = 32

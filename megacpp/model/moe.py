@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from megacpp.compile.versions import supports
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
+from megacpp.section import Section
 
 Routing = Literal["token_choice", "expert_choice"]
 ROUTINGS = get_args(Routing)
@@ -42,7 +43,7 @@ GROUPED_ALIGNMENT = 8
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(Section):
     n_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 128

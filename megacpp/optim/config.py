@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from megacpp.compile.config import CompileBackend
+from megacpp.section import Section
 
 LRScaling = Literal["original", "match_rms_adamw"]
 CoefficientSet = Literal["polar_express", "quintic"]
@@ -15,7 +16,7 @@ DECAY_SHAPES = get_args(DecayShape)
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     # Muon (hidden matrices). use_muon=False sends them to AdamW ("adamw:hidden", lr adamw_lr).
     use_muon: bool = True
     # muon_lr is the base lr of "original"-scaled matrices; "match_rms_adamw"-scaled ones use

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacpp.section import Section
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     steps: int = 600
     # Wall-clock budget of the run in seconds (0 = none): the run evaluates, saves and ends at the first
     # step that finishes past it. Compilation, evaluations and checkpoints count; a resume continues it.
@@ -16,7 +18,7 @@ class TrainConfig:
     # runs as batch_size / micro_batch accumulated micro-batches (same rows, same loss, less memory).
     micro_batch: int = 0
     # CUDA: a run that runs out of memory in its first steps restarts itself with half the micro-batch
-    # (megacpp.train.supervisor), down to oom_min_micro_batch. Ignored on CPU.
+    # (megacpp.train.autofit.supervisor), down to oom_min_micro_batch. Ignored on CPU.
     oom_autofit: bool = True
     oom_min_micro_batch: int = 1
     seed: int = 1337

@@ -1,13 +1,29 @@
-"""What a finished run and an evaluation print: the model's bits per byte beside the baselines."""
+"""What a finished, evaluated or interrupted run says: bits per byte beside the baselines, and how
+a Ctrl-C left the run."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megacpp.data.baselines import Baselines
+from megacpp.errors import Interrupted
 
-if TYPE_CHECKING:
-    from megacpp.train.loop import TrainResult
+
+@dataclass
+class TrainResult:
+    """What a run ended with (megacpp.train.loop.train returns it)."""
+    out_dir: Path
+    step: int
+    losses: list[float]
+    val_bpb: float | None
+    baselines: Baselines
+    checkpoint: Path | None
+    sample: str
+    rank: int = 0  # under torchrun only rank 0 reports
+    device_type: str = "cpu"
+    out_of_time: bool = False  # train.time_budget_s ended the run before train.steps
+    grad_spikes: str | None = None  # grad_norms.spike_summary of this process's steps
+
 
 # The GPU figures a CPU run is put beside (BENCHMARKS.md: issue 10's 2-GPU table and issue 13).
 GPU_REFERENCE = ("on one H200 the `small` preset reaches 0.70 bits/byte after 1.6M tokens and 0.43 after "
@@ -34,3 +50,21 @@ def run_summary(result: TrainResult) -> str:
 
 def eval_summary(bpb: float, baselines: Baselines, checkpoint: Path) -> str:
     return f"validation bits per byte: {bpb:.4f}  ({checkpoint})\n{baselines.summary()}"
+
+
+def interruption(step: int, steps: int, checkpoint: Path, just_saved: bool, during: str | None = None,
+                 redo: str | None = None) -> Interrupted:
+    """The error a Ctrl-C ends a run with, at ``step`` of ``steps``, with ``checkpoint`` saved for it (or
+    ``just_saved`` by the step itself). ``during`` names the phase Ctrl-C cut short. A run already at
+    ``steps`` is complete: instead of how to resume, the message says so, and ``redo`` (a format string
+    of the checkpoint's ``{path}``) how to do what was skipped."""
+    saved = (f"no checkpoint was due: {checkpoint} was just written" if just_saved
+             else f"saved checkpoint {checkpoint}")
+    what = f"interrupted during {during} at step {step}" if during else f"interrupted at step {step}"
+    if step < steps:
+        return Interrupted(f"{what}; {saved}")
+    if just_saved:
+        saved = f"its final checkpoint {checkpoint} was written"
+    redo_hint = "; " + redo.format(path=checkpoint) if redo else ""
+    return Interrupted(f"{what}; {saved}; the run is complete (train.steps {steps}): nothing to resume{redo_hint}",
+                       complete=True)

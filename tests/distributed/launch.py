@@ -83,14 +83,14 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
         Trainer.train_step = counting_train_step
         loop.evaluate_bpb = evaluate_bpb
     elif kind == "sigint_sample":
-        from megacpp.train import loop
+        from megacpp.train import sample
 
-        original_generate = loop.generate_tokens
+        original_generate = sample.generate_tokens
 
         def generate_tokens(*a, stop, **kw):
             return original_generate(*a, stop=_sigint_on_call(stop, step, True), **kw)
 
-        loop.generate_tokens = generate_tokens
+        sample.generate_tokens = generate_tokens
     elif kind == "ckpt_write":
         from torch.distributed.checkpoint import FileSystemWriter
 

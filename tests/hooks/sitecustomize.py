@@ -1,22 +1,40 @@
-"""Test-only crash injection for the auto-fit supervisor's tests (tests/test_oom_autofit.py).
+"""Test-only fault injection for the auto-fit supervisor's tests (tests/test_oom_autofit.py).
 
-With this directory first on PYTHONPATH and ``MEGACPP_TEST_CRASH_AT_STEP=S`` set, a training process
-started by the supervisor raises an ordinary RuntimeError (a stand-in for a bug in megacpp, which
-prints a traceback) at the start of step S. Python imports ``sitecustomize`` at startup, so the hook
-reaches the child process, which a monkeypatch in the test process could not. The supervisor itself
-(no ``MEGACPP_AUTOFIT_ATTEMPT``) is left alone.
+Python imports ``sitecustomize`` at startup, so with this directory first on PYTHONPATH the hooks reach
+the supervisor's child processes and torchrun's workers, which a monkeypatch in the test process could
+not. Nothing in megacpp knows of them.
+
+- ``MEGACPP_TEST_OOM_ABOVE=M`` (every rank) or ``M:R`` (rank R only): a training step at a micro-batch
+  above M raises ``torch.OutOfMemoryError``, as a GPU too small for it would; and `megacpp train` runs
+  under the supervisor on CPU too, where auto-fit is otherwise off.
+- ``MEGACPP_TEST_CRASH_AT_STEP=S``: a training process started by the supervisor raises an ordinary
+  RuntimeError (a stand-in for a bug in megacpp, which prints a traceback) at the start of step S.
 """
 import os
 
-if "MEGACPP_TEST_CRASH_AT_STEP" in os.environ and "MEGACPP_AUTOFIT_ATTEMPT" in os.environ:
+_OOM = os.environ.get("MEGACPP_TEST_OOM_ABOVE")
+_CHILD = "MEGACPP_AUTOFIT_ATTEMPT" in os.environ
+
+if _OOM is not None and not _CHILD:
+    from megacpp.train.autofit import supervisor
+
+    supervisor.trains_on_cuda = lambda _device: True
+
+if _CHILD and (_OOM is not None or "MEGACPP_TEST_CRASH_AT_STEP" in os.environ):
+    import torch
+
     from megacpp.train.loop import Trainer
 
-    _crash_step = int(os.environ["MEGACPP_TEST_CRASH_AT_STEP"])
     _train_step = Trainer.train_step
+    _crash_step = int(os.environ.get("MEGACPP_TEST_CRASH_AT_STEP", "0"))
+    _above, _, _only_rank = (_OOM or "").partition(":")
 
-    def _crashing_train_step(self):
+    def _faulty_train_step(self):
+        micro = self.batch.micro_batch
+        if _OOM is not None and micro > int(_above) and (not _only_rank or int(_only_rank) == self.ctx.rank):
+            raise torch.OutOfMemoryError(f"MEGACPP_TEST_OOM_ABOVE: injected at micro-batch {micro}")
         if self.step + 1 == _crash_step:
             raise RuntimeError(f"injected crash in step {_crash_step}")
         return _train_step(self)
 
-    Trainer.train_step = _crashing_train_step
+    Trainer.train_step = _faulty_train_step

@@ -4,11 +4,11 @@ again, with half the micro-batch, when it runs out of GPU memory in its warmup.
 Why a child process: a retry must start clean. An out-of-memory error leaves the caching allocator
 fragmented, compiled graphs specialised to the old shapes, and under torchrun a process group whose
 peers may be blocked inside a collective; a fresh process has none of that, and needs no
-``torch._dynamo.reset()`` (megacpp.compile.retry) at all.
+``torch._dynamo.reset()`` at all.
 
 One supervisor per process the user started: one in a plain run, one per rank under torchrun (each
 rank's supervisor is torchrun's worker, and its child the training rank). The ranks agree through the
-job's store (megacpp.distributed.rendezvous): the rank that runs out of memory sets a key before it
+job's store (megacpp.train.autofit.rendezvous): the rank that runs out of memory sets a key before it
 exits, every supervisor polls for it and stops its own child (which may be blocked in a collective
 that will never complete), and all of them start the next attempt with the same micro-batch, which
 meets in a fresh store namespace. The process-group timeout and the step watchdog stay the backstop.
@@ -17,8 +17,9 @@ What a supervisor does, in order:
 1. claims the run directory for the whole invocation (rank 0; under torchrun the other ranks learn
    the outcome through the store and fail with the same line): attempts are one run, so a retry
    never trips over the files of the attempt before it;
-2. runs attempt 1, 2, ... as ``python -m megacpp.cli <same arguments>``, with the micro-batch, the
-   attempt number and where to report in its environment; a retry's environment also lowers
+2. runs attempt 1, 2, ... as ``python -m megacpp.cli <same arguments>``, a retry with
+   ``--train.micro_batch N`` appended, and the attempt number and where to report in its
+   environment; a retry's environment also lowers
    ``TORCH_DISTRIBUTED_DEBUG`` to OFF (a debug wrapper's store traffic is what broke retries in the
    stack this one re-creates) and sets torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` if unset;
 3. copies the child's output to the terminal and to ``logs/attempt<N>[.rank<R>].log`` (appended);
@@ -44,10 +45,10 @@ from typing import TYPE_CHECKING
 
 from megacpp.config import Config
 from megacpp.distributed.context import torchrun_world
-from megacpp.distributed.rendezvous import CLAIM_KEY, agent_hosts_store, job_store, oom_key
-from megacpp.train import autofit
-from megacpp.train.autofit import AutoFitError, OomReport
-from megacpp.train.child_output import ChildOutput
+from megacpp.train.autofit import attempt as autofit
+from megacpp.train.autofit.attempt import AutoFitError, OomReport, next_micro_batch
+from megacpp.train.autofit.child_output import ChildOutput
+from megacpp.train.autofit.rendezvous import CLAIM_KEY, agent_hosts_store, job_store, oom_key
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
 if TYPE_CHECKING:
@@ -59,15 +60,14 @@ KILL_GRACE_S = 10.0  # a child told to stop (SIGTERM) for a peer's retry is kill
 
 
 def wants_supervisor(cfg: Config, environ: dict[str, str] | None = None) -> bool:
-    """Auto-fit applies: on, not already inside a supervised child, and training on CUDA (or the
-    test-only out-of-memory hook is set, which makes it testable on CPU)."""
+    """Auto-fit applies: on, not already inside a supervised child, and training on CUDA."""
     env = os.environ if environ is None else environ
     if not cfg.train.oom_autofit or autofit.ATTEMPT_ENV in env:
         return False
-    return autofit.TEST_OOM_ENV in env or _trains_on_cuda(cfg.train.device)
+    return trains_on_cuda(cfg.train.device)
 
 
-def _trains_on_cuda(device: str) -> bool:
+def trains_on_cuda(device: str) -> bool:
     if device == "auto":
         import torch
 
@@ -155,7 +155,7 @@ def _attempts(job: Job, cfg: Config, argv: list[str], store: Store | None) -> in
             _report_failure(job, attempt, outcome)
             return outcome.status
         oom = outcome.oom
-        micro = autofit.next_micro_batch(tc.batch_size, oom.micro_batch, tc.oom_min_micro_batch)
+        micro = next_micro_batch(tc.batch_size, oom.micro_batch, tc.oom_min_micro_batch)
         on_rank = f" on rank {oom.rank}" if job.distributed else ""
         if micro is None:
             raise AutoFitError(
@@ -170,14 +170,14 @@ def _attempts(job: Job, cfg: Config, argv: list[str], store: Store | None) -> in
 
 
 def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], store: Store | None) -> Outcome:
-    command = [sys.executable, "-m", "megacpp.cli", *argv]
+    command = child_command(argv, micro)
     report_path = job.report_path(attempt)
     report_path.unlink(missing_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     with _ForwardSignals() as forwarding:  # before the child exists: no Ctrl-C may fall between the two
         proc = forwarding.child = subprocess.Popen(
-            command, env=child_environment(os.environ, attempt, micro, report_path), stdout=subprocess.PIPE,
+            command, env=child_environment(os.environ, attempt, report_path), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
         header = (f"=== megacpp auto-fit attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}), micro-batch "
                   f"{micro if micro is not None else 'as configured'}: {shlex.join(command)}")
@@ -190,7 +190,14 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
     return Outcome(status, oom, bool(forwarding.received), output)
 
 
-def child_environment(environ: dict[str, str], attempt: int, micro: int | None, report_path: Path) -> dict[str, str]:
+def child_command(argv: Sequence[str], micro: int | None) -> list[str]:
+    """The training process's command line: the user's arguments, and on a retry the micro-batch to run
+    (last, so it wins over the user's own ``--train.micro_batch``)."""
+    retry = ["--train.micro_batch", str(micro)] if micro is not None else []
+    return [sys.executable, "-m", "megacpp.cli", *argv, *retry]
+
+
+def child_environment(environ: dict[str, str], attempt: int, report_path: Path) -> dict[str, str]:
     """The environment of attempt `attempt`'s training process (see the module docstring)."""
     env = dict(environ)
     env[autofit.ATTEMPT_ENV] = str(attempt)
@@ -198,9 +205,6 @@ def child_environment(environ: dict[str, str], attempt: int, micro: int | None, 
     env[autofit.SPAWNED_ENV] = f"{time.time():.3f}"
     env[autofit.PARENT_ENV] = str(os.getpid())
     env["PYTHONUNBUFFERED"] = "1"  # print() into a pipe is block-buffered: lines would come late and out of order
-    env.pop(autofit.MICRO_BATCH_ENV, None)
-    if micro is not None:
-        env[autofit.MICRO_BATCH_ENV] = str(micro)
     if attempt > 1:
         env["TORCH_DISTRIBUTED_DEBUG"] = "OFF"
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

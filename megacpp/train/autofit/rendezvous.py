@@ -1,6 +1,6 @@
 """The torchrun job's key-value store, shared by the auto-fit supervisors and their training processes.
 
-Under the auto-fit supervisor (megacpp.train.supervisor) each rank's training runs in a child process
+Under the auto-fit supervisor (megacpp.train.autofit.supervisor) each rank's training runs in a child process
 that may be started several times within one torchrun job. Two things then go through the job's TCP
 store, the one torchrun's agent hosts at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True;
 otherwise rank 0's supervisor hosts it, so it outlives every attempt):

@@ -1,26 +1,27 @@
-"""Out-of-memory auto-fit: the micro-batch arithmetic, and the training process's side of a retry.
+"""Out-of-memory auto-fit, the training process's side: the attempt this process is.
 
 A CUDA run that runs out of memory in its warmup restarts with half the micro-batch and twice the
 accumulation (`next_micro_batch`): each loader batch of ``train.batch_size`` rows is then run as
 several micro-batches of the same rows, with the loss divided by the number of micro-batches, so the
-global batch, the token stream and the learning-rate schedule do not change. The parent process
-(megacpp.train.supervisor) starts the training as a child and starts it again after such an exit;
-this module is what the child does:
+global batch, the token stream and the learning-rate schedule do not change. The supervisor
+(megacpp.train.autofit.supervisor) starts the training as a child and starts it again after such an
+exit, with ``--train.micro_batch N`` added to its command line. The Trainer holds one `Attempt`:
 
-- the warmup window: the first `WINDOW_STEPS` optimizer steps of the process, closed early by the
-  first checkpoint it publishes (a retry starts the run over, or resumes from the checkpoint the first
+- `Attempt`: a run of its own (no supervisor): it claims its run directory, and a failure is a failure;
+- `SupervisedAttempt`: a child of the supervisor, which holds the run directory for every attempt. Its
+  warmup window is the first `WINDOW_STEPS` optimizer steps of the process, closed early by the first
+  checkpoint it publishes (a retry starts the run over, or resumes from the checkpoint the first
   attempt resumed from: nothing written in the window may outlive it). Three steps because memory
   peaks late: the optimizer state is allocated in step 1's update, so step 2's backward is the first
-  with everything resident; step 3 is margin for the caching allocator's fragmentation.
-- an out-of-memory error in the window: the rank writes its report (micro-batch, peak memory) to
-  the job store (under torchrun) and to a file, prints one line and leaves with `OOM_EXIT_CODE`, at
-  once (`os._exit`: tearing down a process group whose peers wait inside a collective can hang);
-- any other failure in the window while a peer reported an out-of-memory error (a collective broken
-  by the peer's exit): the same exit, so the supervisor retries instead of reporting a crash.
+  with everything resident; step 3 is margin for the caching allocator's fragmentation. An
+  out-of-memory error in the window: the rank writes its report (micro-batch, peak memory) to the job
+  store (under torchrun) and to a file, prints one line and leaves with `OOM_EXIT_CODE`, at once
+  (`os._exit`: tearing down a process group whose peers wait inside a collective can hang). Any other
+  failure in the window while a peer reported an out-of-memory error (a collective broken by the
+  peer's exit): the same exit, so the supervisor retries instead of reporting a crash.
 
-Environment of a child (set by the supervisor): `ATTEMPT_ENV` (1, 2, ...), `MICRO_BATCH_ENV` (absent
-on attempt 1: the configured, or on --resume the recorded, micro-batch), `REPORT_ENV`, `SPAWNED_ENV`,
-`PARENT_ENV`. `TEST_OOM_ENV` is a test-only hook, documented at `injected_oom`.
+Environment of a child (set by the supervisor): `ATTEMPT_ENV` (1, 2, ...), `REPORT_ENV`, `SPAWNED_ENV`,
+`PARENT_ENV`.
 """
 from __future__ import annotations
 
@@ -37,21 +38,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megacpp.distributed.rendezvous import attempt_store, job_store, oom_key
+from megacpp.distributed.config import DistConfig
+from megacpp.distributed.context import DistContext, init_distributed, torchrun_world
 from megacpp.errors import MegacppError
+from megacpp.train.autofit.rendezvous import attempt_store, job_store, oom_key
 
 if TYPE_CHECKING:
-    from torch.distributed import PrefixStore, Store
+    from torch.distributed import Store
 
 WINDOW_STEPS = 3
 OOM_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: "try again"; the supervisor does, with a smaller micro-batch
 
 ATTEMPT_ENV = "MEGACPP_AUTOFIT_ATTEMPT"
-MICRO_BATCH_ENV = "MEGACPP_MICRO_BATCH"
 REPORT_ENV = "MEGACPP_AUTOFIT_REPORT"
 SPAWNED_ENV = "MEGACPP_AUTOFIT_SPAWNED"
 PARENT_ENV = "MEGACPP_AUTOFIT_PARENT"
-TEST_OOM_ENV = "MEGACPP_TEST_OOM_ABOVE"
 PER_RANK_ENV = (REPORT_ENV, SPAWNED_ENV, PARENT_ENV)  # differ between ranks by design (parity skips them)
 
 
@@ -66,15 +67,6 @@ def next_micro_batch(batch_size: int, current: int, floor: int) -> int | None:
         if batch_size % candidate == 0:
             return candidate
     return None
-
-
-def micro_batches(tensors: tuple[torch.Tensor, ...], micro_batch: int) -> list[tuple[torch.Tensor, ...]]:
-    """Row slices of a batch's tensors of `micro_batch` rows each, in order; the batch itself, untouched,
-    when it is one micro-batch (the default path)."""
-    rows = tensors[0].shape[0]
-    if micro_batch >= rows:
-        return [tensors]
-    return list(zip(*(t.split(micro_batch) for t in tensors), strict=True))
 
 
 def peak_memory(device: torch.device) -> tuple[str, int | None]:
@@ -99,18 +91,6 @@ def find_out_of_memory(exc: BaseException) -> torch.OutOfMemoryError | None:
     return None
 
 
-def injected_oom(rank: int, micro_batch: int, environ: dict[str, str] | None = None) -> bool:
-    """Test-only hook: ``MEGACPP_TEST_OOM_ABOVE=M`` (every rank) or ``M:R`` (rank R only) makes each
-    training micro-step at a micro-batch above M raise ``torch.OutOfMemoryError``, as a GPU too small
-    for it would. It also turns the supervisor on on CPU, where auto-fit is otherwise off. Never set it
-    outside tests."""
-    spec = (os.environ if environ is None else environ).get(TEST_OOM_ENV)
-    if spec is None:
-        return False
-    above, _, only_rank = spec.partition(":")
-    return micro_batch > int(above) and (not only_rank or int(only_rank) == rank)
-
-
 @dataclass
 class OomReport:
     """What a rank says when it ran out of memory in warmup; the supervisors decide from it."""
@@ -129,37 +109,68 @@ class OomReport:
         return cls(**json.loads(text))
 
 
-class AutoFitChild:
-    """The training process's side of auto-fit, present only in a child of the supervisor."""
+class Attempt:
+    """A run of its own, with no supervisor: it claims its run directory, and a failure is a failure."""
 
-    def __init__(self, attempt: int, micro_batch: int | None, report_path: Path, spawned: float) -> None:
+    claims_run_dir = True
+
+    def init_distributed(self, device: str, dist: DistConfig, out_dir: str) -> DistContext:
+        return init_distributed(device, dist, out_dir)
+
+    def step_started(self) -> None:
+        """An optimizer step begins."""
+
+    def checkpoint_published(self) -> None:
+        """A checkpoint of this process was renamed into place."""
+
+    def first_step_line(self, micro_batch: int) -> str | None:
+        """What to say once the first step is done (nothing, outside auto-fit)."""
+        return None
+
+    def on_failure(self, exc: BaseException, rank: int, micro_batch: int, step: int, device: torch.device) -> None:
+        """Called with every failure of the run before it propagates; returns to let it propagate."""
+
+
+class SupervisedAttempt(Attempt):
+    """Attempt `attempt` of a run started by the auto-fit supervisor, which holds the run directory."""
+
+    claims_run_dir = False
+
+    def __init__(self, attempt: int, report_path: Path, spawned: float) -> None:
         self.attempt = attempt
-        self.micro_batch = micro_batch
         self.report_path = report_path
         self.spawned = spawned
-        self.store: Store | None = None  # the job store under torchrun (set by `connect`)
-
-    @classmethod
-    def from_env(cls) -> AutoFitChild | None:
-        """The child's settings, or None in a process the supervisor did not start."""
-        if ATTEMPT_ENV not in os.environ:
-            return None
-        _die_with_parent(int(os.environ[PARENT_ENV]))
-        micro = os.environ.get(MICRO_BATCH_ENV)
-        return cls(int(os.environ[ATTEMPT_ENV]), int(micro) if micro else None, Path(os.environ[REPORT_ENV]),
-                   float(os.environ[SPAWNED_ENV]))
+        self.store: Store | None = None  # the job store under torchrun (set by `init_distributed`)
+        self.steps_started = 0  # by this process: the warmup window counts them
+        self.published = False  # a checkpoint of this process closes the window
 
     @property
     def is_retry(self) -> bool:
         return self.attempt > 1
 
-    def connect(self, world_size: int, timeout_s: float) -> PrefixStore | None:
-        """Under torchrun: connect to the job store and return this attempt's rendezvous namespace for
-        the process group (None on one process)."""
-        if world_size <= 1:
-            return None
-        self.store = job_store(timeout_s)
-        return attempt_store(self.store, self.attempt)
+    @property
+    def in_window(self) -> bool:
+        return self.steps_started <= WINDOW_STEPS and not self.published
+
+    def init_distributed(self, device: str, dist: DistConfig, out_dir: str) -> DistContext:
+        """The process group meets its peers in a store namespace of this attempt's own, and a retry forms
+        its NCCL communicators lazily (megacpp.train.autofit.rendezvous)."""
+        _, world_size, _ = torchrun_world()
+        store = None
+        if world_size > 1:
+            self.store = job_store(dist.init_timeout_s)
+            store = attempt_store(self.store, self.attempt)
+        return init_distributed(device, dist, out_dir, store=store, eager_nccl=not self.is_retry)
+
+    def step_started(self) -> None:
+        self.steps_started += 1
+
+    def checkpoint_published(self) -> None:
+        self.published = True
+
+    def first_step_line(self, micro_batch: int) -> str:
+        return (f"auto-fit attempt {self.attempt}: first step done {time.time() - self.spawned:.1f} s after the "
+                f"process started (micro-batch {micro_batch})")
 
     def peer_report(self) -> OomReport | None:
         """The report of a rank that ran out of memory in this attempt, if one did (torchrun only)."""
@@ -168,12 +179,11 @@ class AutoFitChild:
             return None
         return OomReport.from_json(self.store.get(key))
 
-    def on_failure(self, exc: BaseException, in_window: bool, rank: int, micro_batch: int, step: int,
-                   device: torch.device) -> None:
-        """Leave for a retry (never returns) when `exc` is a warmup out-of-memory error of this rank or
-        follows from one of a peer's; return otherwise (the caller re-raises). Prints one line on this
-        rank's stderr (its supervisor's log and terminal), never a traceback."""
-        if not in_window:
+    def on_failure(self, exc: BaseException, rank: int, micro_batch: int, step: int, device: torch.device) -> None:
+        """Leave for a retry (never returns) when `exc`, in the warmup window, is an out-of-memory error of
+        this rank or follows from one of a peer's; return otherwise (the caller re-raises). Prints one line
+        on this rank's stderr (its supervisor's log and terminal), never a traceback."""
+        if not self.in_window:
             return
         who = f"rank {rank}: " if self.store is not None else ""
         oom = find_out_of_memory(exc)
@@ -194,13 +204,19 @@ class AutoFitChild:
     def _publish(self, report: OomReport) -> None:
         """The store first: a peer whose collective breaks when this process exits must find the key."""
         if self.store is not None:
-                self.store.set(oom_key(self.attempt), report.to_json())
+            self.store.set(oom_key(self.attempt), report.to_json())
         self.report_path.parent.mkdir(parents=True, exist_ok=True)
         self.report_path.write_text(report.to_json())
 
-    def first_step_line(self, micro_batch: int) -> str:
-        return (f"auto-fit attempt {self.attempt}: first step done {time.time() - self.spawned:.1f} s after the "
-                f"process started (micro-batch {micro_batch})")
+
+def attempt_from_env() -> Attempt:
+    """This process's attempt: a `SupervisedAttempt` in a child of the supervisor (which the kernel is
+    then told to kill with its supervisor), else a plain `Attempt`."""
+    if ATTEMPT_ENV not in os.environ:
+        return Attempt()
+    _die_with_parent(int(os.environ[PARENT_ENV]))
+    return SupervisedAttempt(int(os.environ[ATTEMPT_ENV]), Path(os.environ[REPORT_ENV]),
+                             float(os.environ[SPAWNED_ENV]))
 
 
 def _say(message: str) -> None:

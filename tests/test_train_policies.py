@@ -1,0 +1,143 @@
+"""The loop's policies on their own: the frozen configuration, the batch plan, the auto-fit attempt's
+warmup window, the stop votes of one process and the divergence guard."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacpp import validate
+from megacpp.config import Config, to_dict
+from megacpp.distributed.context import DistContext
+from megacpp.presets import preset
+from megacpp.run_config import from_dict, gate, load_config
+from megacpp.section import FrozenSectionError, is_frozen
+from megacpp.train import loop
+from megacpp.train.autofit.attempt import WINDOW_STEPS, SupervisedAttempt
+from megacpp.train.guards import DIVERGED_STEPS, DivergenceError, DivergenceGuard
+from megacpp.train.plan import BatchPlan, trained_config
+from megacpp.train.votes import StopVotes
+
+
+def test_the_gate_returns_a_frozen_copy_and_leaves_its_argument_alone():
+    cfg = preset("tiny")
+    gated = gate(cfg)
+    assert is_frozen(gated) and is_frozen(gated.model.attention) and not is_frozen(cfg)
+    with pytest.raises(FrozenSectionError, match=r"^AttentionConfig.n_heads: the configuration is frozen"):
+        gated.model.attention.n_heads = 3
+    with pytest.raises(FrozenSectionError, match=r"^TrainConfig.steps"):
+        gated.train.steps = 1
+    cfg.train.steps = 7  # the caller's own object stays a plain, mutable config
+    assert cfg.train.steps == 7 and gated.train.steps == preset("tiny").train.steps
+    assert gate(gated) is gated  # a frozen config has passed the gate: not checked or copied again
+
+
+def test_a_loaded_or_saved_config_is_frozen_and_a_replaced_copy_is_not():
+    cfg, _ = load_config("tiny", None, [("train.steps", "5")])
+    assert is_frozen(cfg) and is_frozen(from_dict(to_dict(cfg)))
+    changed = dataclasses.replace(cfg.train, steps=9)
+    assert changed.steps == 9 and not is_frozen(changed) and cfg.train.steps == 5
+
+
+def test_a_megacpp_train_runs_the_gate_once(tmp_path, small_corpus, monkeypatch):
+    """load_config gates; the Trainer, handed the frozen result, does not gate again."""
+    calls: list[int] = []
+    original = validate.validate_config
+    monkeypatch.setattr(validate, "validate_config", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr("megacpp.run_config.validate_config", validate.validate_config)
+    from tests.helpers import tiny_overrides
+
+    cfg, _ = load_config("tiny", None, list(tiny_overrides(tmp_path, small_corpus, **{"train.steps": "1"}).items()))
+    assert len(calls) == 1
+    loop.Trainer(cfg, log=lambda _line: None, progress=False).close()
+    assert len(calls) == 1
+
+
+def test_batch_plan_arithmetic():
+    cfg = Config()
+    cfg.train.batch_size, cfg.train.micro_batch, cfg.train.grad_accum, cfg.data.seq_len = 12, 4, 2, 100
+    plan = BatchPlan.of(cfg, ranks=3)
+    assert (plan.splits, plan.micro_steps, plan.global_batch) == (3, 6, 36)
+    assert plan.tokens_per_step == 3 * 12 * 2 * 100
+    assert plan.describe() == "batch 12 (as 3 micro-batches of 4) x 3 rank(s) x 2 accum x 100 tokens"
+    cfg.train.micro_batch = 0  # the whole batch per forward
+    whole = BatchPlan.of(cfg, ranks=1)
+    assert whole.micro_batch == 12 and whole.splits == 1 and "micro-batches" not in whole.describe()
+    assert whole.with_micro_batch(6).splits == 2
+
+
+def test_tier1_the_plan_splits_a_batch_into_its_rows_in_order():
+    cfg = Config()
+    cfg.train.batch_size, cfg.train.micro_batch = 6, 2
+    batch = tuple(torch.arange(6 * 5).reshape(6, 5) + k for k in range(3))
+    pieces = BatchPlan.of(cfg, 1).split(batch)
+    assert len(pieces) == 3
+    for part in range(3):
+        assert torch.equal(torch.cat([p[part] for p in pieces]), batch[part])
+    cfg.train.micro_batch = 0
+    assert BatchPlan.of(cfg, 1).split(batch)[0] is batch  # the default path hands the batch on untouched
+
+
+def test_the_trained_config_carries_the_tokenizers_vocabulary_frozen():
+    cfg = gate(preset("tiny"))
+    trained = trained_config(cfg, 300)
+    assert trained.model.vocab_size == 300 and is_frozen(trained) and cfg.model.vocab_size != 300
+    assert to_dict(trained)["train"] == to_dict(cfg)["train"]
+
+
+def test_the_supervised_attempts_warmup_window_closes_after_three_steps_or_a_checkpoint(tmp_path):
+    attempt = SupervisedAttempt(1, tmp_path / "report.json", spawned=0.0)
+    for _ in range(WINDOW_STEPS):
+        attempt.step_started()
+        assert attempt.in_window
+    attempt.step_started()
+    assert not attempt.in_window
+    early = SupervisedAttempt(1, tmp_path / "report.json", spawned=0.0)
+    early.step_started()
+    early.checkpoint_published()
+    assert not early.in_window
+    # Outside the window a failure is not the attempt's to handle: it returns and the caller re-raises.
+    assert attempt.on_failure(torch.OutOfMemoryError("x"), 0, 4, 5, torch.device("cpu")) is None
+    assert not (tmp_path / "report.json").exists()
+
+
+def _one_process() -> DistContext:
+    return DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def test_stop_votes_of_one_process_read_its_own_clock_and_flag(monkeypatch):
+    clock = iter([100.0, 101.0, 160.0])
+    monkeypatch.setattr("megacpp.train.votes.time.perf_counter", lambda: next(clock))
+
+    class Flag:
+        requested = False
+
+    votes = StopVotes(_one_process(), torch.device("cpu"), time_budget_s=70.0)
+    votes.elapsed_before = 10.0
+    votes.start(Flag())  # the clock starts at 100
+    assert not votes.out_of_time()  # 10 + 1 s
+    assert votes.out_of_time()  # 10 + 60 s: the budget of 70 is spent
+    flag = votes.sigint
+    assert not votes.interrupted_at_step_end() and not votes.interrupt_requested()
+    flag.requested = True
+    assert votes.interrupted_at_step_end() and votes.interrupt_requested()
+    assert votes.queue({}) == {}  # one process votes with nobody: nothing to reduce
+
+
+def test_the_divergence_guard_counts_consecutive_high_steps_only():
+    cfg = Config()
+    cfg.model.vocab_size = 100
+    guard = DivergenceGuard(cfg.model, Path("run"))
+    high = 1.6 * math.log(100)
+    for step in range(1, DIVERGED_STEPS):  # one step short of the rule
+        guard.check(step, high, 1.0)
+    guard.check(DIVERGED_STEPS, 1.0, 1.0)  # one healthy step resets the count
+    for step in range(10, 10 + DIVERGED_STEPS - 1):
+        guard.check(step, high, 1.0)
+    with pytest.raises(DivergenceError, match=rf"step 20: loss {high:.3f} above .* for {DIVERGED_STEPS} consecutive"):
+        guard.check(20, high, 1.0)
+    with pytest.raises(DivergenceError, match="step 21: the gradient norm is exactly 0"):
+        guard.check(21, 1.0, 0.0)
