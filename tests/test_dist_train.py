@@ -65,6 +65,8 @@ def test_smoke_two_ranks_train_the_tiny_preset_with_a_checkpoint(tmp_path, corpu
         "train.batch_size": "2", "train.steps": "4", "train.ckpt_every": "4", "train.eval_every": "4"})]).check()
     out = tmp_path / "run"
     assert "done: 4 steps" in result.output
+    assert "; data parallelism: replicate (auto: weights, gradients, buffers and 1/2 of the optimizer state take" \
+        in result.output, "auto replicates a model this small"
     (ckpt,) = list_checkpoints(out)
     meta = verify_checkpoint(ckpt)
     assert meta["world_size"] == 2 and meta["global_batch"] == 4
@@ -91,7 +93,8 @@ def test_tier3_bf16_all_gather_opt_in_computes_with_bf16_weights(tmp_path, corpu
     the loss, and not bit-equal (else the option did nothing)."""
     losses_by_dtype = {}
     for dtype in ("float32", "bfloat16"):
-        launch(tmp_path / dtype, corpus, **{"train.steps": "2", "dist.param_dtype": dtype}).check()
+        launch(tmp_path / dtype, corpus, **{"train.steps": "2", "dist.param_dtype": dtype, "dist.strategy": "fsdp"}
+               ).check()
         losses_by_dtype[dtype] = losses(tmp_path / dtype / "run")
     fp32, bf16 = losses_by_dtype["float32"], losses_by_dtype["bfloat16"]
     assert abs(fp32[0] - bf16[0]) <= 1e-2 and fp32[0] != bf16[0]
@@ -108,19 +111,19 @@ def test_a_setting_that_differs_on_one_rank_stops_both_ranks_naming_it(tmp_path,
     assert not list_checkpoints(tmp_path / "run")
 
 
-# ---------------------------------------------------------------- 3-5. compile health under FSDP2
+# ---------------------------------------------------------------- 3-5. compile health under each strategy
 
 
-@pytest.fixture(scope="module")
-def compiled_run(tmp_path_factory, corpus):
-    tmp = tmp_path_factory.mktemp("compiled")
+@pytest.fixture(scope="module", params=["replicate", "fsdp"])
+def compiled_run(request, tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp(f"compiled-{request.param}")
     result = launch(tmp, corpus, timeout=500, **{
         "compile.mode": "blocks", "compile.backend": "aot_eager", "compile.forbid_recompiles": "true",
-        "train.steps": "4", "train.ckpt_every": "4"})
+        "train.steps": "4", "train.ckpt_every": "4", "dist.strategy": request.param})
     return tmp / "run", result
 
 
-def test_fsdp2_blocks_compile_with_zero_breaks_and_equal_graphs_on_both_ranks(compiled_run):
+def test_blocks_compile_with_zero_breaks_and_equal_graphs_on_both_ranks(compiled_run):
     run_dir, result = compiled_run
     result.check()
     record = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -219,15 +222,19 @@ def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_chec
 # ---------------------------------------------------------------- equivalence with one process
 
 
-@pytest.mark.parametrize(("optimizer", "bound"), [("adamw", 1e-4), ("muon", 2e-3), ("muon+qk_clip", 2e-3),
-                                                  ("muon+w_spectral_cap", 2e-3)])
-def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, optimizer, bound):
+@pytest.mark.parametrize(("strategy", "optimizer", "bound"), [
+    ("fsdp", "adamw", 1e-4), ("fsdp", "muon", 2e-3), ("fsdp", "muon+qk_clip", 2e-3),
+    ("fsdp", "muon+w_spectral_cap", 2e-3), ("replicate", "adamw", 1e-4), ("replicate", "muon+qk_clip", 2e-3),
+    ("replicate", "muon+w_spectral_cap", 2e-3)])
+def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, strategy, optimizer, bound):
     """Tier 3: same global batch, data and initial weights. Step 1 (no update yet) agrees to 1e-5; the
-    8 steps to `bound`. The ranks' gradients are averaged by a reduce-scatter, one process averages over
-    the whole batch: the fp32 sums round differently (1e-7 relative). AdamW carries that through
-    (measured max 2e-6); Muon's bf16 Newton-Schulz turns it into bf16 rounding differences of the
-    update, which grow to 8.6e-4 by step 8 (measured; the same order with the MoE layer removed)."""
-    extra = {"train.steps": "8", "optim.use_muon": "false" if optimizer == "adamw" else "true"}
+    8 steps to `bound`. The ranks' gradients are averaged by a collective (a reduce-scatter under fsdp,
+    an all-reduce under replicate), one process averages over the whole batch: the fp32 sums round
+    differently (1e-7 relative). AdamW carries that through (measured max 2e-6); Muon's bf16
+    Newton-Schulz turns it into bf16 rounding differences of the update, which grow to 8.6e-4 by step 8
+    (measured under fsdp; the same order with the MoE layer removed)."""
+    extra = {"train.steps": "8", "optim.use_muon": "false" if optimizer == "adamw" else "true",
+             "dist.strategy": strategy}
     if optimizer == "muon+qk_clip":  # a tau that clips every step: row scaling of sharded QKV weights
         extra.update({"model.attention.qk_clip": "weight", "model.attention.qk_norm": "false",
                       "model.attention.qk_clip_tau": "0.5"})
@@ -263,20 +270,21 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
             assert torch.linalg.svdvals(weights[name].double())[..., 0].max() <= 0.9 * (1 + 2e-6), name
 
 
-def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus):
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus, strategy):
     """Interrupted at step 3 and resumed to 6 on 2 ranks: losses and final weights bit-identical to
     an uninterrupted 2-rank run. The step-3 checkpoint loads bit-identically (weights, moments) on 2
-    ranks and on 1 rank at the same global batch."""
+    ranks under either strategy and on 1 rank at the same global batch."""
     straight = tmp_path / "straight"
-    launch(straight, corpus, **{"train.steps": "6"}).check()
+    launch(straight, corpus, **{"train.steps": "6", "dist.strategy": strategy}).check()
     broken = tmp_path / "broken"
-    first = launch(broken, corpus, "interrupt@0:4", "interrupt@1:4", **{"train.steps": "6"})
+    first = launch(broken, corpus, "interrupt@0:4", "interrupt@1:4", **{"train.steps": "6", "dist.strategy": strategy})
     assert first.returncode != 0 and [p.name for p in list_checkpoints(broken / "run")] == ["step_00000003"]
-    for nproc, batch in ((2, "2"), (1, "4")):
-        inspect = args(broken, corpus, **{"train.steps": "6", "train.batch_size": batch})
+    for nproc, batch, other in ((2, "2", "replicate"), (2, "2", "fsdp"), (1, "4", strategy)):
+        inspect = args(broken, corpus, **{"train.steps": "6", "train.batch_size": batch, "dist.strategy": other})
         result = torchrun(["tests/distributed/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
         assert result.output.count("PASS") == nproc
-    torchrun([LAUNCH, *args(broken, corpus, **{"train.steps": "6"}), "--resume"]).check()
+    torchrun([LAUNCH, *args(broken, corpus, **{"train.steps": "6", "dist.strategy": strategy}), "--resume"]).check()
     assert losses(broken / "run") == losses(straight / "run")
     a = load_file(list_checkpoints(straight / "run")[0] / "model.safetensors")
     b = load_file(list_checkpoints(broken / "run")[0] / "model.safetensors")
@@ -286,7 +294,7 @@ def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus
 def test_tier2_sharded_decoding_equals_single_process_decoding(tmp_path, corpus):
     """The end-of-run sample decoded by 2 ranks from the sharded model equals `megacpp sample` from
     the saved weights on one process (same prompt, seed and settings)."""
-    launch(tmp_path, corpus, **{"train.steps": "3", "train.sample_tokens": "12"}).check()
+    launch(tmp_path, corpus, **{"train.steps": "3", "train.sample_tokens": "12", "dist.strategy": "fsdp"}).check()
     sharded = (tmp_path / "run" / "sample.txt").read_text()
     single = python(["-m", "megacpp.cli", "sample", "--checkpoint", str(tmp_path / "run"), "--tokens", "12",
                   "--prompt", "#include <", "--temperature", "0.8", "--top-k", "40", "--seed", "1337"],

@@ -60,6 +60,11 @@ GATES: dict[str, Gate] = {
         "torch.nn.functional.grouped_mm (MoE's dropless grouped dispatch; without it token choice keeps the "
         "padded dispatch). Used on 2.11 (H200) and 2.13 (CPU); earlier releases were not checked",
     ),
+    "all_gather_single": Gate(
+        "2.13",
+        "torch.distributed.all_gather_single, which 2.13 asks for instead of all_gather_into_tensor (same "
+        "signature; the older name warns there). Seen in 2.13; 2.11 lacks it",
+    ),
 }
 
 

@@ -9,7 +9,13 @@ from megacpp.section import Section
 
 @dataclass
 class DistConfig(Section):
-    # FSDP2: free each block's gathered weights after its forward and gather them again for the
+    # How the ranks share the model (megacpp.distributed.strategy): "replicate" keeps the whole model on
+    # every rank and reduces gradients once per optimizer step, with the optimizer step sharded by
+    # parameter ownership; "fsdp" shards weights, gradients and optimizer state with FSDP2 (gathers
+    # each block's weights in the forward and backward); "auto" replicates when the model, its
+    # gradients and its share of the optimizer state fit the card with room for activations.
+    strategy: Literal["auto", "replicate", "fsdp"] = "auto"
+    # fsdp: free each block's gathered weights after its forward and gather them again for the
     # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
     # whole model resident; on (nam52) trades a second all-gather for memory.
     reshard_after_forward: bool = False

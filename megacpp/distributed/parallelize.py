@@ -1,4 +1,5 @@
-"""Apply data parallelism to a single-device model from the outside: FSDP2 after per-block compile.
+"""FSDP2 applied to a single-device model from the outside, after per-block compile (the ``fsdp``
+data-parallel strategy; megacpp.distributed.strategy chooses).
 
 Order (torchtitan's): compile each block (megacpp.compile.compile_model, as on one device), then
 `fully_shard` each block, then the root. FSDP2's hooks run outside the compiled regions, identical
@@ -26,12 +27,10 @@ ROOT_METHODS = ("forward_step",)
 BLOCK_METHODS = ("forward_step",)
 
 
-def parallelize(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, ctx: DistContext
-                ) -> CompiledModel:
-    """Compile `model` per `compile_cfg`, then shard it over `ctx`'s mesh (nothing more on one process)."""
+def fully_shard_model(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, ctx: DistContext
+                      ) -> CompiledModel:
+    """Compile `model` per `compile_cfg`, then shard it over `ctx`'s mesh."""
     compiled = compile_model(model, compile_cfg)
-    if not ctx.distributed:
-        return compiled
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     policy = MixedPrecisionPolicy(

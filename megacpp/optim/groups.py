@@ -127,3 +127,7 @@ def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
         lines.append(f"lr_scale_by_kind: {shown} (the base lr of each @<kind> group)")
     return "\n".join(lines)
 
+
+def optimizer_state_bytes(model: nn.Module, cfg: OptimConfig, hints: Mapping[str, ParamHint] | None = None) -> int:
+    """The optimizer state of the whole model as routed, in bytes (what its optimizers keep per parameter)."""
+    return sum(OPTIMIZERS[r.optimizer].state_bytes(r, cfg) for r in route_parameters(model, cfg, hints))

@@ -12,6 +12,12 @@ Checkpoints hold the stack in two parts: `state_dict()` (which optimizers, sched
 metrics: small and the same on every rank) and `moments()` (every per-parameter tensor, keyed by
 optimizer and parameter name, in the parameters' own layout), which a distributed checkpoint can
 reshard to another number of ranks.
+
+A stack may step only some of the routed parameters (``owns`` in `build_optimizers`: replicate data
+parallelism, where each rank steps the parameters it owns): its optimizers then hold those alone, the
+clip norm still covers every routed parameter's (already reduced) gradient, `zero_grad` clears every
+routed parameter's gradient, and ``after_optimizers``
+(the owners' all-gather) runs between the optimizer steps and MuonClip, so the clips see whole weights.
 """
 from __future__ import annotations
 
@@ -43,8 +49,17 @@ class OptimizerStack:
         routing_table: str = "",
         names: Mapping[Tensor, str] | None = None,
         spectral_cap: SpectralCap | None = None,
+        *,
+        parts: list[str] | None = None,
+        routed: list[Tensor] | None = None,
+        after_optimizers: Callable[[], None] | None = None,
     ) -> None:
-        self.by_name = dict(optimizers)  # registry name -> optimizer, in step order
+        self.by_name = dict(optimizers)  # registry name -> optimizer, in step order (those built here)
+        self.parts = list(parts if parts is not None else self.by_name)  # every optimizer of the run
+        # Every routed parameter, in the order a stack over all of them steps them: the clip norm covers
+        # their gradients and zero_grad clears them. None: this stack's own parameters.
+        self.routed = routed
+        self.after_optimizers = after_optimizers
         self.scheduler = scheduler
         self.clip = clip
         self.spectral_cap = spectral_cap
@@ -68,7 +83,7 @@ class OptimizerStack:
             # foreach norm + clamp on the device; no host sync (error_if_nonfinite stays off). Sharded
             # gradients give the global norm (a replicated DTensor): every rank clips alike.
             norm = full_value(torch.nn.utils.get_total_norm(
-                [p.grad for p in self.parameters() if p.grad is not None], foreach=True))
+                [p.grad for p in self._routed() if p.grad is not None], foreach=True))
             metrics["grad_norm"] = norm
             # torch's clip_grad_norm_ coefficient, but the gradients are not rewritten: each optimizer
             # multiplies them by it as its step reads them, which a compiled step fuses into the pass it
@@ -78,6 +93,8 @@ class OptimizerStack:
             opt.grad_scale = scale
             opt.step()
             opt.grad_scale = None
+        if self.after_optimizers is not None:
+            self.after_optimizers()
         if self.clip is not None:
             metrics.update(self.clip.apply())
         if self.spectral_cap is not None:
@@ -86,8 +103,19 @@ class OptimizerStack:
         self.metrics = metrics
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
+        """Clear the gradients of every routed parameter, those stepped by another rank's stack too."""
+        if self.routed is None:
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=set_to_none)
+            return
+        for p in self.routed:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _routed(self) -> list[Tensor]:
+        return self.routed if self.routed is not None else self.parameters()
 
     def moments(self) -> dict[str, Tensor]:
         """Every per-parameter state tensor as ``"<optimizer>/<parameter name>/<key>"``, created (zeros)
@@ -104,7 +132,7 @@ class OptimizerStack:
     def state_dict(self) -> dict[str, Any]:
         """Which optimizers, schedule position and clip metrics; the per-parameter state is `moments()`."""
         return {
-            "parts": list(self.by_name),
+            "parts": list(self.parts),
             "scheduler": self.scheduler.state_dict(),
             "clip": self.clip.state_dict() if self.clip is not None else None,
         }
@@ -128,6 +156,8 @@ def build_optimizers(
     hints: Mapping[str, ParamHint] | None = None,
     classes: Mapping[str, type[TensorHParamOptimizer]] | None = None,
     model_compiled: bool = True,
+    owns: Callable[[Tensor], bool] | None = None,
+    after_optimizers: Callable[[], None] | None = None,
 ) -> OptimizerStack:
     """Route `model`'s parameters (megacpp.optim.groups), build each registered optimizer that got
     parameters (megacpp.optim.registry) and the stack; logs the routing table.
@@ -137,7 +167,8 @@ def build_optimizers(
     collected before any wrapping (default: collected now). ``classes`` builds another class in place
     of a registered one, with the same arguments (under FSDP2: ``{"muon": ShardedMuon}``).
     ``model_compiled=False`` (compile mode none) keeps an "auto" ``compile_step`` eager: nothing of such
-    a run is compiled.
+    a run is compiled. ``owns`` (replicate data parallelism) limits the optimizers to the parameters it
+    accepts; ``after_optimizers`` runs after their steps (see the module docstring).
     """
     classes = dict(classes or {})
     unknown = sorted(set(classes) - set(OPTIMIZERS))
@@ -146,7 +177,12 @@ def build_optimizers(
     routes = route_parameters(model, cfg, hints)
     compile_step = resolve_compile_step(cfg.compile_step, next(model.parameters()).device, model_compiled)
     optimizers = {}
-    for kind, groups in _param_groups(routes, cfg).items():
+    all_groups = _param_groups(routes, cfg)
+    for kind, groups in all_groups.items():
+        if owns is not None:
+            groups = [g for g in ({**g, "params": [p for p in g["params"] if owns(p)]} for g in groups) if g["params"]]
+            if not groups:  # nothing of this optimizer is this rank's to step
+                continue
         make = classes.get(kind, OPTIMIZERS[kind].optimizer)
         optimizers[kind] = make(groups, **OPTIMIZERS[kind].settings(cfg), compile_step=compile_step,
                                 compile_backend=cfg.compile_backend)
@@ -157,7 +193,14 @@ def build_optimizers(
     if log is not None:
         log(table)
     return OptimizerStack(optimizers, scheduler, clip, cfg.grad_clip_norm, table,
-                          names={r.param: r.name for r in routes}, spectral_cap=SpectralCap.for_routes(routes))
+                          names={r.param: r.name for r in routes}, spectral_cap=SpectralCap.for_routes(routes),
+                          parts=list(all_groups), routed=_every_param(all_groups) if owns else None,
+                          after_optimizers=after_optimizers)
+
+
+def _every_param(groups_by_kind: dict[str, list[dict[str, Any]]]) -> list[Tensor]:
+    """Every routed parameter in the order a stack over all of them steps (and sums their norms) in."""
+    return [p for groups in groups_by_kind.values() for group in groups for p in group["params"]]
 
 
 def _param_groups(routes: list[Route], cfg: OptimConfig) -> dict[str, list[dict[str, Any]]]:

@@ -2,9 +2,9 @@
 records, evaluates, checkpoints and votes on stopping, and the run ends with a plot and a sample.
 
 One loop for one process and for every rank of a torchrun job. The `DistContext` makes collectives
-no-ops on one process; under torchrun the model is sharded with FSDP2 (megacpp.distributed.parallelize),
-every per-rank statistic is reduced, ranks are checked for parity at start, after warmup and
-periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plots and samples.
+no-ops on one process; under torchrun the model is replicated or sharded (the `DataParallel` of
+megacpp.distributed.strategy), every per-rank statistic is reduced, ranks are checked for parity at
+start, after warmup and periodically, and a watchdog ends a stalled job. Only rank 0 writes metrics, plots and samples.
 What the loop calls, each in a module of its own under train/: guards (non-finite loss and weights,
 divergence), lifecycle (run directory, resume, save), records (the per-step metrics), votes (Ctrl-C
 and the time budget), plan (the batch arithmetic and the trained configuration) and autofit (the
@@ -30,8 +30,6 @@ from megacpp.config import Config, dump_toml, to_dict
 from megacpp.distributed.context import DistContext
 from megacpp.distributed.health import check_compile_health
 from megacpp.distributed.logs import RankLog
-from megacpp.distributed.muon import ShardedMuon
-from megacpp.distributed.parallelize import parallelize
 from megacpp.distributed.parity import (
     check_parity,
     dynamo_policy,
@@ -43,12 +41,14 @@ from megacpp.distributed.parity import (
     weight_fingerprint,
 )
 from megacpp.distributed.stats import StatisticsReducer
+from megacpp.distributed.strategy import apply_data_parallel
 from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.doctor import kernel_report
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.optim import build_optimizers
+from megacpp.optim.groups import optimizer_state_bytes
 from megacpp.run_config import gate
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
@@ -117,10 +117,16 @@ class Trainer:
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
         self.health = CompileHealth(bounds_for(self.cfg.compile))
-        self.health.attach(parallelize(self.model, self.cfg.compile, self.cfg.dist, ctx))
+        self.parallel = apply_data_parallel(
+            self.model, self.cfg.compile, self.cfg.dist, ctx,
+            state_bytes=lambda: optimizer_state_bytes(self.model, self.cfg.optim, hints),
+            ns_steps=self.cfg.optim.ns_steps)
+        self.health.attach(self.parallel.compiled)
         self.stack = build_optimizers(self.model, self.cfg.optim, total_steps=tc.steps, log=None, hints=hints,
-                                      classes={"muon": ShardedMuon} if ctx.distributed else None,
-                                      model_compiled=self.cfg.compile.mode != "none")
+                                      classes=self.parallel.optimizer_classes,
+                                      model_compiled=self.cfg.compile.mode != "none",
+                                      owns=self.parallel.owns if self.parallel.shards_optimizer_by_owner else None,
+                                      after_optimizers=self.parallel.after_optimizers)
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
@@ -133,7 +139,8 @@ class Trainer:
                 "config": shared_config(to_dict(self.cfg)), "versions": library_versions(self.device),
                 "determinism": self.mode, "dynamo_policy": dynamo_policy(), "environment": relevant_env(),
                 "kernels": kernel_report(), "tokenizer": self.data.tokenizer_hash, "data": self.data.shards.key,
-                "global_batch": self.batch.global_batch, "parameters": model_layout(self.model),
+                "global_batch": self.batch.global_batch, "data_parallel": self.parallel.name,
+                "parameters": model_layout(self.model),
                 "initial_weights": initial_weights,
             }, "at start")
 
@@ -141,6 +148,8 @@ class Trainer:
         """Release the run directory and leave the process group (every exit path: a live group keeps
         peers waiting); ``orderly`` at the end of a run that every rank finished."""
         self.run_dir.release()
+        if hasattr(self, "parallel"):  # built once the model is
+            self.parallel.close()
         self.ctx.close(orderly)
 
     def _claim(self, resume: bool) -> None:
@@ -363,7 +372,8 @@ class Trainer:
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
             f"({self.cfg.compile.backend}), optimizer step "
-            f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}",
+            f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}"
+            + (f"; {self.parallel.describe()}" if self.ctx.distributed else ""),
             self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
@@ -399,7 +409,9 @@ class Trainer:
                 if accum == plan.grad_accum - 1 and index == len(pieces) - 1:
                     reductions = {"reduced": self.ctx.all_reduce_(total.clone()), "local": total}
                     loss_read = Readback(self.votes.queue(reductions))
+                    self.parallel.before_last_backward()
                 loss.backward()
+        self.parallel.after_backward()
         self.reduce_statistics()
         read = loss_read.result()
         self.votes.record(read)

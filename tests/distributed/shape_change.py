@@ -13,7 +13,7 @@ from megacpp.compile.health import forbid_recompiles
 from megacpp.config import Config
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import init_distributed
-from megacpp.distributed.parallelize import parallelize
+from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.model.hybrid import HybridLM
 from megacpp.presets import tiny
 
@@ -35,7 +35,7 @@ def main() -> None:
     cfg.model.moe.expert_hidden, cfg.model.ffn.hidden, cfg.model.depth = 16, 32, 5
     torch.manual_seed(0)
     model = HybridLM(cfg.model)
-    compiled = parallelize(model, compile_cfg, DistConfig(), ctx)
+    compiled = fully_shard_model(model, compile_cfg, DistConfig(), ctx)
     step(model, 2, 16)
     compiled.end_warmup()
     with forbid_recompiles():

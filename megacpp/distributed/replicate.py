@@ -1,0 +1,204 @@
+"""Replicated data parallelism: every rank holds the whole model, gradients are reduced once per
+optimizer step, and the optimizer step is sharded by parameter ownership.
+
+- Gradients accumulate locally over a step's micro-batches: no collective per micro-batch. During
+  the last micro-batch's backward (`arm`), each bucket of parameters (in backward order, about
+  `BUCKET_BYTES` each) is all-reduced asynchronously as soon as every gradient in it is final (a
+  post-accumulate-grad hook per parameter), so the reduction overlaps the rest of the backward;
+  `finish` waits for the last bucket and leaves every rank holding the mean gradient.
+- Each parameter has one owner rank (`assign_owners`, balanced by an estimate of its optimizer work):
+  only the owner holds its optimizer state and steps it, on the whole parameter (Muon orthogonalizes
+  whole matrices: exact). `gather_updates` then all-gathers the owners' new values into every replica.
+
+Compared with FSDP2 nothing is gathered in the forward or backward (the model is resident on every
+rank) and no DTensor reaches the step: the traffic per step is one all-reduce of the gradients and
+one all-gather of the weights, both of fp32 values, and the step's optimizer work is divided by the
+number of ranks. It needs the whole model, its gradients and 1/W of the optimizer state on each card
+(`dist.strategy = "auto"` picks it when that fits; megacpp.distributed.strategy).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megacpp.compile.versions import supports
+from megacpp.distributed.context import DistContext
+
+# DDP's default bucket is 25 MiB; larger buckets mean fewer launches (a `small` step has ~350 M fp32
+# gradients, 1.4 GB) and still leave all but the last bucket overlapped with the backward.
+BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class OptimizerWork:
+    """What a parameter costs its owner per step: ``flops`` of orthogonalization (Muon) and ``bytes``
+    of elementwise state traffic (every optimizer). Compared as seconds on a device that does
+    `FLOPS_PER_BYTE` of the one in the time of the other (an H100: ~400 TFLOP/s in bf16 GEMMs against
+    ~3 TB/s, so ~130)."""
+    flops: float
+    bytes: float
+
+    FLOPS_PER_BYTE = 130.0
+
+    @property
+    def cost(self) -> float:
+        return self.flops / self.FLOPS_PER_BYTE + self.bytes
+
+
+def optimizer_work(shape: torch.Size, orthogonalized: bool, ns_steps: int = 5) -> OptimizerWork:
+    """An estimate for a parameter of ``shape``: ``ns_steps`` Newton-Schulz iterations of about
+    6 m^2 n FLOPs per (m x n) matrix (m the smaller side) when ``orthogonalized``, and ~8 fp32 reads and
+    writes per element (gradient, momentum, weight, update) either way."""
+    numel = shape.numel()
+    flops = 0.0
+    if orthogonalized and len(shape) >= 2:
+        m, n = sorted(shape[-2:])
+        flops = ns_steps * 6.0 * m * m * n * (numel // (m * n))
+    return OptimizerWork(flops, 32.0 * numel)
+
+
+def assign_owners(costs: Sequence[float], world: int) -> list[int]:
+    """The owner rank of each item: longest-processing-time-first onto the least loaded rank, ties to
+    the lower rank and the earlier item, so every rank computes the same assignment."""
+    load = [0.0] * world
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[index] = rank
+        load[rank] += costs[index]
+    return owners
+
+
+class ReplicatedGradients:
+    """The gradient all-reduce of one replicated model: buckets in backward order, launched in order."""
+
+    def __init__(self, params: Sequence[nn.Parameter], ctx: DistContext, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.ctx = ctx
+        # Parameters are registered in forward order; their gradients become final in about the reverse.
+        ordered = [p for p in reversed(params) if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in ordered:
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or size + nbytes > bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._armed = False
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
+        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce each bucket as soon as its gradients are final."""
+        self._armed = True
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
+        self._pending = []
+
+    def finish(self) -> None:
+        """Launch what the backward left (unused parameters), wait for every bucket and write the mean
+        gradient over ranks into each ``.grad`` (None stays None: the same parameters on every rank)."""
+        self._launch_up_to(len(self.buckets))
+        self._armed = False
+        scale = 1.0 / self.ctx.world_size
+        for work, flat, bucket in self._pending:
+            work.wait()
+            flat.mul_(scale)
+            grads = [p.grad for p in bucket if p.grad is not None]
+            if grads:
+                pieces = flat.split([p.numel() for p in bucket])
+                torch._foreach_copy_(grads, [piece.view_as(p) for piece, p in zip(pieces, bucket, strict=True)
+                                             if p.grad is not None])
+        self._pending = []
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        index = self._bucket_of[p]
+        self._ready[index] += 1
+        # In order, like DDP: every rank must issue the same collectives in the same order.
+        while self._launched < len(self.buckets) and self._ready[self._launched] == len(self.buckets[self._launched]):
+            self._launch_up_to(self._launched + 1)
+
+    def _launch_up_to(self, end: int) -> None:
+        while self._launched < end:
+            bucket = self.buckets[self._launched]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+            self._pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+            self._launched += 1
+
+
+class OwnedUpdates:
+    """The all-gather that brings each owner's freshly stepped parameters to every replica."""
+
+    def __init__(self, params: Sequence[nn.Parameter], owners: Sequence[int], ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.by_rank: list[list[nn.Parameter]] = [[] for _ in range(ctx.world_size)]
+        for p, owner in zip(params, owners, strict=True):
+            self.by_rank[owner].append(p)
+        # One flat slot per rank, padded to the largest: all_gather_into_tensor needs equal pieces.
+        self.slot = max(sum(p.numel() for p in ps) for ps in self.by_rank)
+
+    def gather(self) -> None:
+        mine = self.by_rank[self.ctx.rank]
+        device = self.ctx.device
+        local = torch.zeros(self.slot, dtype=torch.float32, device=device)
+        if mine:
+            torch.cat([p.detach().reshape(-1) for p in mine], out=local[:sum(p.numel() for p in mine)])
+        everyone = torch.empty(self.slot * self.ctx.world_size, dtype=torch.float32, device=device)
+        _all_gather_single(everyone, local)
+        with torch.no_grad():
+            for rank, params in enumerate(self.by_rank):
+                if rank == self.ctx.rank or not params:
+                    continue
+                slot = everyone[rank * self.slot:(rank + 1) * self.slot]
+                pieces = slot[:sum(p.numel() for p in params)].split([p.numel() for p in params])
+                torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in zip(pieces, params, strict=True)])
+
+
+def _all_gather_single(output: Tensor, local: Tensor) -> None:
+    gather = dist.all_gather_single if supports("all_gather_single") else dist.all_gather_into_tensor
+    gather(output, local)
+
+
+@dataclass
+class Replication:
+    """Replicate data parallelism of one model: its gradient reduction, the parameters each rank owns,
+    and the gather of the owners' updates."""
+    gradients: ReplicatedGradients
+    updates: OwnedUpdates
+    owned: frozenset[nn.Parameter]
+
+    def owns(self, p: Tensor) -> bool:
+        return p in self.owned
+
+
+def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter], OptimizerWork]) -> Replication:
+    """Set up replicate data parallelism for ``model`` (already compiled; identical on every rank).
+    ``work(p)`` estimates a parameter's optimizer work, for the ownership balance."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.dtype != torch.float32:
+            raise TypeError(f"replicate data parallelism keeps fp32 parameters; one is {p.dtype}")
+    owners = assign_owners([work(p).cost for p in params], ctx.world_size)
+    owned = frozenset(p for p, owner in zip(params, owners, strict=True) if owner == ctx.rank)
+    return Replication(ReplicatedGradients(params, ctx), OwnedUpdates(params, owners, ctx), owned)
+
+
+def owned_share(replication: Replication, params: Iterable[nn.Parameter]) -> float:
+    """The fraction of ``params``' elements this rank owns (for the run header)."""
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if replication.owns(p)) / max(total, 1)

@@ -1,0 +1,62 @@
+"""Replicate data parallelism: ownership, the sharded optimizer step against one device, the gradient
+reduction, and the strategy `auto` picks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megacpp.distributed.context import DistContext
+from megacpp.distributed.replicate import assign_owners, optimizer_work
+from megacpp.distributed.strategy import REPLICATE_COPIES, REPLICATE_SHARE, choose_strategy
+from tests.torchrun import torchrun
+
+
+def test_owners_balance_the_work_and_every_rank_computes_the_same_assignment():
+    costs = [9.0, 7.0, 6.0, 5.0, 4.0, 4.0, 1.0]
+    owners = assign_owners(costs, 3)
+    assert owners == assign_owners(list(costs), 3)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(3)]
+    # Longest first onto the least loaded: 9 -> 0, 7 -> 1, 6 -> 2, 5 -> 2, 4 -> 1, 4 -> 0, 1 -> 1.
+    assert owners == [0, 1, 2, 2, 1, 0, 1] and loads == [13.0, 12.0, 11.0]
+    assert assign_owners([1.0], 4) == [0]  # more ranks than parameters: the others own nothing
+
+
+def test_optimizer_work_counts_orthogonalization_for_matrices_only():
+    square = optimizer_work(torch.Size([64, 64]), orthogonalized=True, ns_steps=5)
+    assert square.flops == 5 * 6 * 64 * 64 * 64 and square.bytes == 32 * 64 * 64
+    stacked = optimizer_work(torch.Size([4, 16, 32]), orthogonalized=True, ns_steps=5)
+    assert stacked.flops == 4 * 5 * 6 * 16 * 16 * 32  # four (16 x 32) matrices, the smaller side squared
+    assert optimizer_work(torch.Size([64, 64]), orthogonalized=False).flops == 0
+    assert optimizer_work(torch.Size([10]), orthogonalized=True).flops == 0
+
+
+def _two_ranks_with(memory: int, monkeypatch) -> DistContext:
+    monkeypatch.setattr("megacpp.distributed.strategy.device_memory", lambda _device: memory)
+    return DistContext(rank=0, world_size=2, device=torch.device("cpu"))
+
+
+def test_auto_replicates_what_fits_half_the_card_and_shards_what_does_not(monkeypatch):
+    model = nn.Linear(1000, 1000, bias=False)  # 4 MB of fp32 weights
+    weights = 4 * 1000 * 1000
+    state = 8 * 1000 * 1000
+    need = REPLICATE_COPIES * weights + state / 2
+    fits = _two_ranks_with(int(need / REPLICATE_SHARE) + 1, monkeypatch)
+    strategy, why = choose_strategy("auto", model, state, fits)
+    assert strategy == "replicate" and why.startswith("auto: weights, gradients, buffers and 1/2")
+    tight = _two_ranks_with(int(need / REPLICATE_SHARE) - 1, monkeypatch)
+    strategy, why = choose_strategy("auto", model, state, tight)
+    assert strategy == "fsdp" and "replicating would need" in why
+    assert choose_strategy("fsdp", model, state, fits) == ("fsdp", "dist.strategy")
+    assert choose_strategy("replicate", model, state, tight) == ("replicate", "dist.strategy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_tier1_replicate_steps_equal_one_device_and_gradients_are_the_ranks_mean(nproc: int) -> None:
+    """Bitwise on CPU: 4 optimizer steps (Muon incl. split QKV and stacked experts, AdamW, QK-clip, the
+    clip norm) of the owners plus the all-gather equal a single-device stack on the same gradients, each
+    moment is held by exactly one rank; after a 3-micro-batch accumulation the reduced gradients are the
+    ranks' mean (exact on 2 ranks, within 4 ulps of the largest sum on 3)."""
+    launch = torchrun(["tests/distributed/replicate_parity.py"], nproc=nproc, timeout=240).check()
+    assert launch.output.count("PASS") == nproc
