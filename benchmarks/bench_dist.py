@@ -1,16 +1,22 @@
 """Multi-GPU benchmarks: `megacpp train` under torchrun, each variant a fresh job.
 
-Variants (name: what runs):
-- ``small-1``: `small` on 1 GPU, micro-batch 16 x 2 accumulation steps (global batch 32 sequences);
-- ``small-2``: `small` on 2 GPUs, micro-batch 16 per GPU (the same global batch, the same token stream);
+Variants (name: GPUs, batch per GPU, accumulation, strategy):
+- ``small-1``: 1 GPU, batch 16;            ``small-1-b8``: 1 GPU, batch 8 (the kernels' batch-size loss);
+- ``small-2``: 2 GPUs, batch 16 each, replicate (the same per-GPU batch as small-1);
+- ``small-2-b8``: 2 GPUs, batch 8 each, replicate (the same global batch as small-1);
+- ``small-2-fsdp``: 2 GPUs, batch 16 each, FSDP2;
+- ``small-1-acc2``: 1 GPU, batch 16 x 2 accumulated (the same global batch and token stream as small-2);
 - ``nam52-dD``: `nam52` cut to depth D (its pattern and widths unchanged) on all visible GPUs.
 
-    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2 --steps 40
+    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2,small-2-b8,small-1-b8
     python benchmarks/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
 
 For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
-time (compile), peak memory of rank 0; for the small pair, the scaling efficiency (per-GPU tokens/s
-of 2 GPUs over 1) and the largest loss difference between the two runs (same global batch).
+time (compile), peak memory of rank 0, and the profile lines of its run (``--set train.profile_steps=3``
+asks for them: compute, exposed collectives and idle per rank). Then the scaling efficiencies it can
+form: per-GPU tokens/s of small-2 over small-1 (same per-GPU batch), of small-2-b8 over small-1 (same
+global batch) and over small-1-b8 (the communication's share alone), and the largest loss difference of
+small-1-acc2 and small-2 (the same token stream).
 """
 from __future__ import annotations
 
@@ -23,15 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-SMALL = {"small-1": (1, ["--train.batch_size=16", "--train.grad_accum=2"]),
-         "small-2": (2, ["--train.batch_size=16", "--train.grad_accum=1"])}
+SMALL = {  # name -> (GPUs, batch per GPU, accumulation, strategy)
+    "small-1": (1, 16, 1, "auto"), "small-1-b8": (1, 8, 1, "auto"), "small-1-acc2": (1, 16, 2, "auto"),
+    "small-2": (2, 16, 1, "replicate"), "small-2-b8": (2, 8, 1, "replicate"), "small-2-fsdp": (2, 16, 1, "fsdp"),
+}
 
 
 def plan(name: str, gpus: int) -> tuple[int, list[str], str]:
     """(processes, extra arguments, preset) of a variant."""
     if name in SMALL:
-        nproc, extra = SMALL[name]
-        return nproc, extra, "small"
+        nproc, batch, accum, strategy = SMALL[name]
+        return nproc, [f"--train.batch_size={batch}", f"--train.grad_accum={accum}", f"--dist.strategy={strategy}"], \
+            "small"
     if name.startswith("nam52-d"):
         return gpus, [f"--model.depth={int(name.removeprefix('nam52-d'))}"], "nam52"
     raise SystemExit(f"unknown variant {name!r}")
@@ -66,6 +75,7 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
         "mfu": statistics.median(r.get("mfu", 0.0) for r in late),
         "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in train),
         "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
+        "profile": [line for line in (proc.stdout + proc.stderr).splitlines() if "profile, steps" in line],
     }
     print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
           f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%, peak {result['peak_gib']:.1f} GiB, "
@@ -105,15 +115,20 @@ def main() -> None:
             continue
         print(f"{r['name']:<12}{r['gpus']:>5}{r['first_step_s']:>9.1f}{r['step_ms']:>9.0f}{r['tok_s_gpu']:>11,.0f}"
               f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>10.1f}{r['losses'][-1]:>8.4f}")
-    one, two = results.get("small-1"), results.get("small-2")
-    if one and two and not one["failed"] and not two["failed"]:
-        diffs = [abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True)]
-        print(f"small: scaling efficiency {100 * two['tok_s_gpu'] / one['tok_s_gpu']:.1f}% per GPU (2 vs 1); "
-              f"same global batch: max |loss 1 GPU - loss 2 GPUs| {max(diffs):.3e} over {len(diffs)} steps, "
-              f"final {one['losses'][-1]:.4f} vs {two['losses'][-1]:.4f}")
-        print("loss curves (step: 1 GPU, 2 GPUs): " + ", ".join(
-            f"{i + 1}: {a:.3f}/{b:.3f}" for i, (a, b) in enumerate(zip(one["losses"], two["losses"], strict=True))
-            if i % 5 == 0 or i == len(diffs) - 1))
+    for r in results.values():
+        for line in r.get("profile", []):
+            print(f"{r['name']}: {line.split('profile, ', 1)[1]}")
+    ok = {name: r for name, r in results.items() if not r["failed"]}
+    for two, one, what in (("small-2", "small-1", "same per-GPU batch"), ("small-2-b8", "small-1", "same global batch"),
+                           ("small-2-b8", "small-1-b8", "same per-GPU batch of 8: communication alone"),
+                           ("small-2-fsdp", "small-1", "same per-GPU batch, FSDP2")):
+        if two in ok and one in ok:
+            print(f"{two} vs {one} ({what}): {100 * ok[two]['tok_s_gpu'] / ok[one]['tok_s_gpu']:.1f}% per GPU")
+    if "small-1-acc2" in ok and "small-2" in ok:
+        one, two = ok["small-1-acc2"]["losses"], ok["small-2"]["losses"]
+        diffs = [abs(a - b) for a, b in zip(one, two, strict=True)]
+        print(f"small-1-acc2 vs small-2 (one token stream): max |loss difference| {max(diffs):.3e} over "
+              f"{len(diffs)} steps, final {one[-1]:.4f} vs {two[-1]:.4f}")
 
 
 if __name__ == "__main__":

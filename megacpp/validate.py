@@ -198,6 +198,7 @@ RANGES: dict[str, Interval] = {
     "train.time_budget_s": NON_NEGATIVE,  # 0 = no budget
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum": AT_LEAST_1,
+    "train.profile_steps": NON_NEGATIVE,  # 0 = off
     "train.micro_batch": NON_NEGATIVE,  # 0 = the whole batch_size
     "train.oom_min_micro_batch": AT_LEAST_1,
     "train.eval_every": AT_LEAST_1,

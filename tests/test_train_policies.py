@@ -19,6 +19,7 @@ from megacpp.train import loop
 from megacpp.train.autofit.attempt import WINDOW_STEPS, SupervisedAttempt
 from megacpp.train.guards import DIVERGED_STEPS, DivergenceError, DivergenceGuard
 from megacpp.train.plan import BatchPlan, trained_config
+from megacpp.train.profile import split_trace
 from megacpp.train.votes import StopVotes
 
 
@@ -141,3 +142,37 @@ def test_the_divergence_guard_counts_consecutive_high_steps_only():
         guard.check(20, high, 1.0)
     with pytest.raises(DivergenceError, match="step 21: the gradient norm is exactly 0"):
         guard.check(21, 1.0, 0.0)
+
+
+def _kernel(name: str, start: float, end: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
+
+
+def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
+    """Two steps in 1000 us: compute [0, 300) and [350, 700), an NCCL kernel [250, 450) half under compute,
+    a memset [900, 950); CPU-side events are ignored. Busy = [0, 700) + [900, 950) = 750 us."""
+    events = [_kernel("gemm", 0, 300), _kernel("gemm", 350, 700), _kernel("ncclDevKernel_AllReduce", 250, 450),
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 900, "dur": 50},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000}]
+    split = split_trace(events, rank=1, first=3, last=4, wall_us=1000.0)
+    assert (split.rank, split.first, split.last, split.kernels) == (1, 3, 4, 4)
+    assert split.wall_ms == 0.5 and split.compute_ms == (300 + 350 + 50) / 2000
+    assert split.collectives_ms == 200 / 2000 and split.exposed_collectives_ms == 50 / 2000
+    assert split.idle_ms == 250 / 2000
+    assert split.line().startswith("profile, steps 3-4, rank 1: 0.5 ms per step = compute 0.3 (70%) + exposed "
+                                   "collectives 0.0 (5%) + idle 0.1 (25%); collectives 0.1 ms, 75% hidden")
+    cpu = split_trace(events[-1:], rank=0, first=3, last=4, wall_us=1000.0)
+    assert cpu.kernels == 0 and "no device kernels in the trace (a CPU run)" in cpu.line()
+
+
+def test_train_profile_steps_writes_a_trace_and_a_split_per_rank(tmp_path, small_corpus):
+    from megacpp.train.metrics import read_metrics
+    from tests.helpers import tiny_train_config
+
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "5", "train.profile_steps": "2"})
+    lines: list[str] = []
+    loop.Trainer(cfg, log=lines.append, progress=False).run()
+    assert any(line.startswith("profile, steps 3-4, rank 0: ") for line in lines)
+    assert (tmp_path / "run" / "profile" / "rank0.trace.json").stat().st_size > 0
+    (record,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "profile"]
+    assert record["step"] == 4 and record["rank0"]["first"] == 3 and record["rank0"]["wall_ms"] > 0

@@ -36,3 +36,6 @@ class TrainConfig(Section):
     sample_temperature: float = 0.8
     sample_top_k: int = 40
     tensorboard: bool = True
+    # Profile this many steps after warmup (megacpp.train.profile): each rank's trace under
+    # <out_dir>/profile/ and its split of a step into compute, exposed collectives and idle. 0 = off.
+    profile_steps: int = 0
