@@ -42,17 +42,24 @@ class FastTuning:
     state rows (y, grad_v, grad_f) and programs (grad_W), never the per-element arithmetic.
     `benchmarks/bench_m2rnn.py --sweep` times the alternatives."""
 
-    block: int = 16  # state rows per program: tl.dot's minimum and the most programs (b * H * dk / 16)
-    fwd_warps: int = 1  # 1: the product's output is the next operand without a shared-memory exchange
-    bwd_warps: int = 1
-    stages: int = 3  # the next steps' inputs are in flight during a step (software pipelining)
-    fused_backward: bool = True  # one backward kernel, no dL/dp buffer (dv <= 64: its grad_W tile fits)
+    # State rows per program: tl.dot's minimum, the most programs (b * H * dk / 16 = 384 at `small`, on
+    # 132 SMs x 4 schedulers) and the shortest step.
+    block: int = 16
+    # 1 warp: the product's output is the next step's operand in the same registers (no exchange through
+    # shared memory). At `small`'s sizes for sm_90 (ptxas): 119 registers, 415 instructions per step
+    # (4 warps: 174 each and 6 barriers).
+    fwd_warps: int = 1
+    # The fused backward holds grad_W's (dv x dv) fp32 tile: at 64 x 64 it spills at 1 warp (484 bytes)
+    # and 2 (60), fits at 4 (128 registers); the split backward's chain fits 1 warp (133 registers).
+    bwd_warps: int = 4
+    stages: int = 3  # the next two steps' inputs are in flight during a step (software pipelining)
+    fused_backward: bool = True  # one backward kernel, no dL/dp buffer (dv <= FUSED_MAX_DV)
     approx_tanh: bool = True  # `tanh.approx.f32` on CUDA (sm_75+); the formula elsewhere
 
 
 TUNING = FastTuning()
-# The fused backward keeps a (dv x dv) fp32 grad_W tile per program: 128 registers a thread at dv 64 and
-# 1 warp; at 128 it would spill, so wider heads take the split backward.
+# The fused backward keeps a (dv x dv) fp32 grad_W tile per program; at dv 128 it spills even at 4 warps
+# (sm_90: 32 bytes), so wider heads take the split backward.
 FUSED_MAX_DV = 64
 
 
@@ -218,6 +225,12 @@ def _block(dk: int) -> int:
     return min(TUNING.block, dk)
 
 
+def _warps(tuned: int, dv: int) -> int:
+    """At dv 128 the (dv x dv) W tile and the state's rows need 4 warps: at fewer the forward spills (sm_90,
+    24 bytes at 1 warp, 264 in TF32 at 2)."""
+    return max(tuned, 4) if dv > 64 else tuned
+
+
 def scan_fwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor,
                   half_dot: bool, half_states: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as the reference `megacpp::m2rnn_scan_fast_fwd`: y (t, H, b, dv) fp32, the last
@@ -231,7 +244,7 @@ def scan_fwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Ten
     _fast_fwd_kernel[(b, n_heads, dk // block)](
         q, k, v, f, W, h0, y_part, last, states, t, n_heads, b, DK=dk, DV=dv, BLOCK=block,
         OPERAND=tl.float16 if half_dot else tl.float32, APPROX=_approx_tanh(q.device), STAGES=TUNING.stages,
-        EMULATE=_emulate(q.device), num_warps=TUNING.fwd_warps)
+        EMULATE=_emulate(q.device), num_warps=_warps(TUNING.fwd_warps, dv))
     return y_part.sum(0), last, states
 
 
@@ -249,7 +262,7 @@ def scan_bwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states:
     # bf16 operands in the backward: dL/dp's range is not bounded like the states'.
     operand = tl.bfloat16 if half_dot else tl.float32
     launch = {"DK": dk, "DV": dv, "BLOCK": block, "OPERAND": operand, "HAS_GL": has_gl, "STAGES": TUNING.stages,
-              "EMULATE": _emulate(q.device), "num_warps": TUNING.bwd_warps}
+              "EMULATE": _emulate(q.device), "num_warps": _warps(TUNING.bwd_warps, dv)}
     if TUNING.fused_backward and dv <= FUSED_MAX_DV:
         grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
         grad_v_part = v.new_empty(grid[2], *v.shape)
