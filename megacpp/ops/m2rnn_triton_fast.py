@@ -110,6 +110,9 @@ def _fast_fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, last
     zero = tl.zeros((BLOCK, DV), dtype=tl.float32)
     head_row = hd * B + b  # (H, b) index
     h = tl.load(h0_ptr + head_row * DK * DV + tile)
+    # The loop carries the state as the next product's operand: with fp16 states and operands, the
+    # rounding for the store is the operand's (the sm_90 loop has one fp32 -> fp16 conversion, not two).
+    h_op = h.to(OPERAND)
     tl.store(states_ptr + head_row * DK * DV + tile, h.to(states_ptr.dtype.element_ty))  # slot 0: h0
     slots = H * B
     for i in tl.range(T, num_stages=STAGES):
@@ -117,7 +120,8 @@ def _fast_fwd_kernel(q_ptr, k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, y_part_ptr, last
         tok = (b * T + ti) * H + hd  # (b, t, H) index of the inputs
         f, k = tl.load(f_ptr + tok), tl.load(k_ptr + tok * DK + rows)
         v, q = tl.load(v_ptr + tok * DV + cols), tl.load(q_ptr + tok * DK + rows)
-        h = _act(f * _mma(h, w, zero, OPERAND, EMULATE) + k[:, None] * v[None, :], APPROX)
+        h = _act(f * _mma(h_op, w, zero, OPERAND, EMULATE) + k[:, None] * v[None, :], APPROX)
+        h_op = h.to(OPERAND)
         step = ti * slots + head_row  # (t, H, b) index of the outputs
         tl.store(states_ptr + (step + slots) * DK * DV + tile, h.to(states_ptr.dtype.element_ty))
         tl.store(y_part_ptr + (kb * T * slots + step) * DV + cols, tl.sum(q[:, None] * h, axis=0))
