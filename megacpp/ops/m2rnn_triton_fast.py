@@ -17,7 +17,7 @@ What makes it fast, against the exact kernels' 1.8 us per forward step at `small
   inputs of the next `stages - 1` steps are copied in asynchronously while a step computes;
 - the backward can be one kernel (`fused_backward`): the chain through time also makes every
   gradient, so no dL/dp buffer is written and nothing is read twice; or the exact path's structure
-  (chain, then a gradients kernel over a dL/dp buffer, in the states' dtype).
+  (chain, then a gradients kernel over a dL/dp buffer, bf16 with `half_dot`).
 
 The states buffer has t + 1 slots: slot 0 holds h0 (as stored), slot s the state after step s, so the
 backward reads h_{t-1} and h_t uniformly. Everything is deterministic: partial sums are written per
@@ -40,14 +40,14 @@ from megacpp.ops import m2rnn_triton as exact
 class FastTuning:
     """Launch settings of the fast kernels. They change the speed, and the order of the sums over
     state rows (y, grad_v, grad_f) and programs (grad_W), never the per-element arithmetic.
-    `benchmarks/bench_m2rnn.py --sweep` times the alternatives."""
+    benchmarks/bench_m2rnn.py times the alternatives."""
 
     # State rows per program: tl.dot's minimum, the most programs (b * H * dk / 16 = 384 at `small`, on
     # 132 SMs x 4 schedulers) and the shortest step.
     block: int = 16
     # 1 warp: the product's output is the next step's operand in the same registers (no exchange through
-    # shared memory). At `small`'s sizes for sm_90 (ptxas): 119 registers, 415 instructions per step
-    # (4 warps: 174 each and 6 barriers).
+    # shared memory). At `small`'s sizes for sm_90 (ptxas): 128 registers, 416 instructions per step
+    # (4 warps: 168 each and 6 barriers).
     fwd_warps: int = 1
     # The fused backward holds grad_W's (dv x dv) fp32 tile: at 64 x 64 it spills at 1 warp (484 bytes)
     # and 2 (60), fits at 4 (128 registers); the split backward's chain fits 1 warp (133 registers).
