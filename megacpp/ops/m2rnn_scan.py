@@ -15,21 +15,48 @@ returned in v's dtype, states in the compute dtype.
 Shapes: q, k (b, t, H, dk); v (b, t, H, dv); f (b, t, H); W (H, dv, dv); state (b, H, dk, dv);
 doc_ids (b, t) integer.
 
-The functions below are the reference and the CPU implementation. When triton imports, fused kernels
-(megacpp/ops/m2rnn_triton.py: one launch per direction, time loop on chip) are registered as the ops'
-CUDA implementation; CUDA inputs they do not support (not float32, key/value dims not a power of two
-in [16, 128], empty) fall back to these functions. `_scan_fwd.set_kernel_enabled("cuda", False)` (and
-the same for `_scan_bwd`) switches CUDA back to the reference, e.g. to compare.
+Two op pairs, one per determinism mode; `m2rnn_scan` picks one while it is traced:
+- exact, `megacpp::m2rnn_scan_fwd` / `_bwd`: fp32 throughout, every state kept in fp32. Bitwise mode
+  (torch.are_deterministic_algorithms_enabled()), every CPU call and every shape the kernels do not
+  serve take it. When triton imports, fused kernels (megacpp/ops/m2rnn_triton.py: one launch per
+  direction, time loop on chip, products as three TF32 passes) are its CUDA implementation.
+- fast, `megacpp::m2rnn_scan_fast_fwd` / `_bwd`: CUDA in the default (fast) mode. One tensor-core pass
+  per product (fp16/bf16 operands or TF32, `FastScan.half_dot`), tanh.approx, the states saved in fp16
+  (`FastScan.half_states`); megacpp/ops/m2rnn_triton_fast.py. Its reference is the exact reference
+  with the states rounded to their storage dtype: the kernels differ from it by operand rounding only.
+The mode is read while tracing: Dynamo guards compiled graphs on it (a global-state guard), so a
+graph traced in one mode is never replayed in the other. CUDA inputs the kernels do not support (not
+float32, key/value dims not a power of two in [16, 128], empty) fall back to the references;
+`_scan_fwd.set_kernel_enabled("cuda", False)` (and the same for the other ops) switches CUDA back to
+the reference, e.g. to compare.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 try:
-    from megacpp.ops import m2rnn_triton
+    from megacpp.ops import m2rnn_triton, m2rnn_triton_fast
 except ImportError:  # no triton (CPU-only installs): the reference serves every device
-    m2rnn_triton = None
+    m2rnn_triton = m2rnn_triton_fast = None
+
+
+@dataclass(frozen=True)
+class FastScan:
+    """The fast path's precision: fp16 (forward) / bf16 (backward) tensor-core operands instead of TF32,
+    and the states saved for the backward in fp16 instead of fp32. Both are one rounding of unit
+    roundoff 2^-11 per operand (bf16's 2^-8 in the backward's products); the tests bound the effect."""
+
+    half_dot: bool = True
+    half_states: bool = True
+
+
+# What `m2rnn_scan` runs in fast mode on CUDA; benchmarks/bench_m2rnn.py times the alternatives.
+FAST_SCAN = FastScan()
+# Head sizes the Triton kernels take (m2rnn_triton.unsupported_reason).
+KERNEL_SIZES = (16, 32, 64, 128)
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -142,10 +169,90 @@ def _backward(ctx, grad_y: Tensor | None, grad_states: Tensor | None):
 
 _scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
+
+
+def _storage_dtype(compute: torch.dtype, half_states: bool) -> torch.dtype:
+    return torch.float16 if half_states else compute
+
+
+def _scan_fast_fwd_reference(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, half_dot: bool,
+                             half_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """y (t, H, b, dv), the last state (H, b, dk, dv), and h0 then every state (t + 1, H, b, dk, dv) in
+    their storage dtype (fp16 when half_states), which the backward reads. half_dot picks the kernels'
+    operand precision; here the products keep the inputs' precision."""
+    y, states = _scan_fwd_reference(q, k, v, f, W, h0)
+    kept = torch.cat([h0.unsqueeze(0), states]).to(_storage_dtype(states.dtype, half_states))
+    return y, states[-1].clone(), kept
+
+
+_scan_fast_fwd = torch.library.custom_op("megacpp::m2rnn_scan_fast_fwd", mutates_args=())(_scan_fast_fwd_reference)
+
+
+@_scan_fast_fwd.register_fake
+def _scan_fast_fwd_fake(q, k, v, f, W, h0, half_dot, half_states):
+    b, t, n_heads, dk = q.shape
+    dv = v.shape[-1]
+    return (q.new_empty(t, n_heads, b, dv), torch.empty_like(h0),
+            q.new_empty(t + 1, n_heads, b, dk, dv, dtype=_storage_dtype(q.dtype, half_states)))
+
+
+def _scan_fast_bwd_reference(
+    q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor, grad_y: Tensor, grad_last: Tensor,
+    half_dot: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Grads of q, k, v, f, W and h0 from the stored states (upcast), as the exact backward computes
+    them. An empty grad_last means no gradient reached the last state."""
+    states = states.to(q.dtype)
+    grad_states = grad_last.new_empty(0)
+    if grad_last.numel() > 0:
+        grad_states = torch.zeros_like(states[1:])
+        grad_states[-1] = grad_last
+    return _scan_bwd_reference(q, k, v, f, W, states[0], states[1:], grad_y, grad_states)
+
+
+_scan_fast_bwd = torch.library.custom_op("megacpp::m2rnn_scan_fast_bwd", mutates_args=())(_scan_fast_bwd_reference)
+
+
+@_scan_fast_bwd.register_fake
+def _scan_fast_bwd_fake(q, k, v, f, W, states, grad_y, grad_last, half_dot):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
+            torch.empty_like(W), q.new_empty(states.shape[1:]))
+
+
+def _fast_setup_context(ctx, inputs, output) -> None:
+    q, k, v, f, W, _h0, half_dot, _half_states = inputs
+    ctx.save_for_backward(q, k, v, f, W, output[2])
+    ctx.half_dot = half_dot
+    ctx.mark_non_differentiable(output[2])  # saved for the backward only; m2rnn_scan never returns it
+    ctx.set_materialize_grads(False)
+
+
+def _fast_backward(ctx, grad_y: Tensor | None, grad_last: Tensor | None, _grad_states: None):
+    q, k, v, f, W, states = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = q.new_zeros(states.shape[0] - 1, *states.shape[1:-2], states.shape[-1])
+    grad_last = q.new_empty(0) if grad_last is None else grad_last.contiguous()
+    return (*_scan_fast_bwd(q, k, v, f, W, states, grad_y.contiguous(), grad_last, ctx.half_dot), None, None)
+
+
+_scan_fast_fwd.register_autograd(_fast_backward, setup_context=_fast_setup_context)
+
 if m2rnn_triton is not None:
     # The references serve the CUDA inputs the kernels do not support (see m2rnn_triton.unsupported_reason).
     _scan_fwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_fwd_triton, _scan_fwd_reference))
     _scan_bwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_bwd_triton, _scan_bwd_reference))
+    _scan_fast_fwd.register_kernel("cuda")(
+        m2rnn_triton_fast.with_fallback(m2rnn_triton_fast.scan_fwd_fast, _scan_fast_fwd_reference))
+    _scan_fast_bwd.register_kernel("cuda")(
+        m2rnn_triton_fast.with_fallback(m2rnn_triton_fast.scan_bwd_fast, _scan_fast_bwd_reference))
+
+
+def uses_fast_scan(device_type: str, dtype: torch.dtype, dk: int, dv: int) -> bool:
+    """Whether `m2rnn_scan` takes the fast op: CUDA, fast mode (bitwise mode keeps the exact path), float32
+    compute and head sizes the kernels take. Evaluated while tracing, on static properties and the
+    deterministic-algorithms flag, which Dynamo guards."""
+    return (m2rnn_triton_fast is not None and device_type == "cuda" and dtype == torch.float32
+            and dk in KERNEL_SIZES and dv in KERNEL_SIZES and not torch.are_deterministic_algorithms_enabled())
 
 
 def m2rnn_scan(
@@ -171,10 +278,15 @@ def m2rnn_scan(
         else:
             h0 = initial_state.to(acc).transpose(0, 1).contiguous()
         q, k, v, f = (x.to(acc).contiguous() for x in (q, k, v, f))
-        y, states = _scan_fwd(q, k, v, f, W.to(acc).contiguous(), h0)
+        if uses_fast_scan(q.device.type, acc, dk, dv):
+            y, last, _ = _scan_fast_fwd(q, k, v, f, W.to(acc).contiguous(), h0, FAST_SCAN.half_dot,
+                                        FAST_SCAN.half_states)
+        else:
+            y, states = _scan_fwd(q, k, v, f, W.to(acc).contiguous(), h0)
+            last = states[-1]
     y = y.permute(2, 0, 1, 3).to(out_dtype)  # (t, H, b, dv) -> (b, t, H, dv)
     if return_final_state:
-        return y, states[-1].transpose(0, 1)
+        return y, last.transpose(0, 1)
     return y
 
 

@@ -138,16 +138,17 @@ def _bwd_grads_kernel(k_ptr, v_ptr, f_ptr, w_ptr, h0_ptr, states_ptr, gy_ptr, dp
     gf_part_ptr += tl.cast(rb, tl.int64) * B * T * H
     gv_part_ptr += tl.cast(rb, tl.int64) * B * T * H * DV
     t0 = tb * STEPS
+    # The fast path's states and dL/dp may be 16-bit; the upcasts are no-ops on the exact path's fp32.
     if t0 == 0:
-        h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile)
+        h_prev = tl.load(h0_ptr + (hd * B + b) * DK * DV + tile).to(tl.float32)
     else:
-        h_prev = tl.load(states_ptr + ((tl.cast(t0 - 1, tl.int64) * H + hd) * B + b) * DK * DV + tile)
+        h_prev = tl.load(states_ptr + ((tl.cast(t0 - 1, tl.int64) * H + hd) * B + b) * DK * DV + tile).to(tl.float32)
     for t in range(t0, tl.minimum(t0 + STEPS, T)):
         ti = tl.cast(t, tl.int64)
         step = (ti * H + hd) * B + b  # (t, H, b) index
         tok = (b * T + ti) * H + hd  # (b, t, H) index
-        dp = tl.load(dp_ptr + step * DK * DV + tile)
-        h = tl.load(states_ptr + step * DK * DV + tile)
+        dp = tl.load(dp_ptr + step * DK * DV + tile).to(tl.float32)
+        h = tl.load(states_ptr + step * DK * DV + tile).to(tl.float32)
         k, v = tl.load(k_ptr + tok * DK + rows), tl.load(v_ptr + tok * DV + cols)
         f, gy = tl.load(f_ptr + tok), tl.load(gy_ptr + step * DV + cols)
         g = tl.dot(tl.trans(h_prev), dp, input_precision=PRECISION)
