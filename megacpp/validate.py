@@ -34,6 +34,7 @@ from megacpp.ops.mamba3_fused import triton_size_reason
 from megacpp.ops.softcap_xent import MAX_CAP
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.schedule import WarmupStableDecay
+from megacpp.train.config import recompute_kinds
 
 
 class PatternConfigError(ConfigError, PatternError):
@@ -414,6 +415,14 @@ def _micro_batch_divides(k: _Keys) -> None:
                             "the micro-batch must divide train.batch_size (0 = the whole batch)")
 
 
+def _recompute_kinds(k: _Keys) -> None:
+    """train.recompute names block kinds the registry knows (megacpp.train.recompute)."""
+    try:
+        recompute_kinds(k.value("train.recompute"))
+    except ValueError as exc:
+        raise k.error("train.recompute", f"is not a recompute setting: {exc}") from None
+
+
 # ---------------------------------------------------------------- rules: optim
 
 
@@ -511,7 +520,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _ngram_orders,
     ),
     "data": (_byte_limits, _extensions_dotted, _corpus_names_a_path),
-    "train": (_device_form, _micro_batch_divides),
+    "train": (_device_form, _micro_batch_divides, _recompute_kinds),
     "optim": (_lr_scales_well_formed,),
     "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum, _schedule_fits_run,
          _lr_scales_name_used_kinds),

@@ -13,7 +13,7 @@ from megacpp.compile.health import (
     HealthBounds,
     bounds_for,
 )
-from megacpp.compile.regions import compile_model
+from megacpp.compile.regions import compile_model, mark_batch_dynamic
 from megacpp.compile.report import random_token_batch
 from tests.compile_fixtures.standin import FFNMixer, build_standin
 
@@ -104,11 +104,19 @@ def test_state_dict_keys_unchanged_by_compile():
     assert list(model.state_dict()) == keys
 
 
-def test_warmup_batch_of_one_is_refused():
+def test_a_batch_of_one_compiles_static_and_runs_again_without_a_recompile():
+    """Micro-batch 1 (auto-fit's last resort) is not marked dynamic (Dynamo specializes size 1): it compiles
+    one static graph, which later batches of one reuse. Marking it by hand is still refused."""
+    cfg = CompileConfig(mode="model", backend="eager")
     model = build_standin("F")
-    compile_model(model, CompileConfig(mode="model", backend="eager"))
-    with pytest.raises(ValueError, match="warm up with >= 2"):
+    with CompileHealth(bounds_for(cfg)) as health:
+        health.attach(compile_model(model, cfg))
         _train(model, 1)
+        health.end_warmup()
+        _train(model, 1)
+        assert health.totals().recompiles_after_warmup == 0 and health.totals().graphs == 1
+    with pytest.raises(ValueError, match="warm up with >= 2"):
+        mark_batch_dynamic(torch.zeros(1, 4))
 
 
 def test_disabled_mixer_break_is_attributed_to_the_calling_block():

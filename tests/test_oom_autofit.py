@@ -29,12 +29,13 @@ from megacpp.config import ConfigError
 from megacpp.distributed import context
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.parity import relevant_env
+from megacpp.presets import preset
 from megacpp.run_config import load_config
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.autofit.attempt import REPORT_ENV, OomReport, next_micro_batch
 from megacpp.train.autofit.child_output import ChildOutput
 from megacpp.train.autofit.rendezvous import oom_key
-from megacpp.train.autofit.supervisor import Job, _run_attempt, child_command, child_environment
+from megacpp.train.autofit.supervisor import Fit, Job, _run_attempt, child_command, child_environment, next_fit
 from megacpp.train.loop import Trainer
 from tests.helpers import tiny_train_args, tiny_train_config, write_corpus
 from tests.torchrun import ROOT, Launch, python, torchrun, worker_env
@@ -149,8 +150,26 @@ def test_a_retry_gets_its_micro_batch_last_on_its_command_line():
     """The supervisor's choice reaches the child through the configuration's own command line, after the
     user's arguments, so it wins over a --train.micro_batch the user gave (later overrides win)."""
     argv = ["train", "--train.micro_batch", "8"]
-    assert child_command(argv, None)[-3:] == argv
-    assert child_command(argv, 2)[-5:] == [*argv, "--train.micro_batch", "2"]
+    assert child_command(argv, Fit())[-3:] == argv
+    assert child_command(argv, Fit(2))[-5:] == [*argv, "--train.micro_batch", "2"]
+    assert child_command(argv, Fit(2, recompute=True))[-7:] == [*argv, "--train.micro_batch", "2",
+                                                                "--train.recompute", "all"]
+
+
+def test_autofit_turns_recompute_on_before_the_micro_batch_drops_below_2():
+    """Batch 8: 8 -> 4 -> 2 -> 2 with recompute -> 1 with recompute -> nothing left. With recompute
+    already configured for every mixer it only halves; a floor of 2 still gets the recompute attempt."""
+    tc = preset("tiny").train
+    tc.batch_size, tc.oom_min_micro_batch, tc.recompute = 8, 1, "none"
+    fits, fit, micro = [], Fit(), 8
+    while (fit := next_fit(tc, fit, micro)) is not None:
+        fits.append(fit)
+        micro = fit.micro
+    assert fits == [Fit(4), Fit(2), Fit(2, True), Fit(1, True)]
+    tc.recompute = "all"
+    assert next_fit(tc, Fit(), 2) == Fit(1) and next_fit(tc, Fit(1), 1) is None
+    tc.recompute, tc.oom_min_micro_batch = "E", 2
+    assert next_fit(tc, Fit(), 2) == Fit(2, True) and next_fit(tc, Fit(2, True), 2) is None
 
 
 class _Stop(Exception):
@@ -220,7 +239,7 @@ def test_a_child_stopped_for_a_peers_out_of_memory_ends_its_log_saying_so(tmp_pa
     store.set(oom_key(1), OomReport(1, 64, 1, "peak 133.41 GiB", None, "CUDA out of memory").to_json())
     job = Job(rank=0, world_size=2, out_dir=tmp_path / "run")
     start = time.monotonic()
-    outcome = _run_attempt(job, 1, None, ["train"], store)
+    outcome = _run_attempt(job, 1, Fit(), ["train"], store)
     assert time.monotonic() - start < 30 and outcome.oom is not None and outcome.oom.rank == 1
     assert job.log_path(1).read_text().splitlines()[-1] == (
         "=== stopped by the supervisor: rank 1 ran out of memory in warmup step 1 at micro-batch 64; every rank "
@@ -274,9 +293,9 @@ def test_out_of_memory_at_the_floor_is_one_line_naming_the_smallest_micro_batch_
     assert "Traceback" not in launch.output
     errors = [line for line in launch.output.splitlines() if line.startswith("megacpp: error:")]
     assert len(errors) == 1, launch.output[-3000:]
-    assert errors[0].startswith("megacpp: error: out of memory in warmup at every micro-batch auto-fit tried, "
-                                "down to 2 (train.oom_min_micro_batch = 2, train.batch_size 4): step 1 ran out "
-                                "with peak host RSS ")
+    assert errors[0].startswith("megacpp: error: out of memory in warmup at every micro-batch auto-fit tried "
+                                "(4, 2, 2 with train.recompute all; train.oom_min_micro_batch = 2, train.batch_size "
+                                "4): step 1 ran out with peak host RSS ")
     assert " GiB on cpu;" in errors[0]
     assert "attempt 2 runs micro-batch 2" in launch.output  # 4 was tried first
     assert not list_checkpoints(tmp_path / "run")
@@ -329,18 +348,22 @@ def test_ctrl_c_on_the_supervisor_reaches_the_child_which_saves_and_exits_130(tm
 @pytest.mark.slow
 def test_two_ranks_retry_together_when_only_rank_1_runs_out_of_memory(tmp_path, corpus):
     """torchrun, 2 gloo ranks, batch 2 per rank; rank 1 alone runs out of memory above micro-batch 1.
-    Both supervisors start attempt 2 at micro-batch 1, which trains to the end with the same losses
-    (torch.equal) and weights as a 2-rank run started at micro-batch 1."""
+    Both supervisors retry together: attempt 2 keeps micro-batch 2 and recomputes every mixer (auto-fit
+    turns recompute on before the micro-batch drops below 2), attempt 3 runs micro-batch 1 and trains to
+    the end with the same losses (torch.equal) and weights as a 2-rank run started at micro-batch 1
+    without recompute: recompute changes no bit."""
     overrides = {"train.batch_size": "2"}
     retried = torchrun(["-m", "megacpp.cli", *tiny_train_args(tmp_path / "retried", corpus, **overrides)],
                        timeout=400, env=_hooked({"MEGACPP_TEST_OOM_ABOVE": "1:1"})).check()
     said = [line for line in retried.output.splitlines()
             if "megacpp: auto-fit: out of memory in warmup step 1 on rank 1 at micro-batch 2" in line]
-    assert len(said) == 2 and {s[:len("[default0]")] for s in said} == {"[default0]", "[default1]"}, retried.output
-    assert "attempt 2 runs micro-batch 1 x 2 per batch of 2" in said[0]
+    assert len(said) == 4 and {s[:len("[default0]")] for s in said} == {"[default0]", "[default1]"}, retried.output
+    assert sum("attempt 2 runs micro-batch 2 x 1 per batch of 2 with every mixer's activations recomputed" in s
+               for s in said) == 2
+    assert sum("attempt 3 runs micro-batch 1 x 2 per batch of 2 with every mixer's" in s for s in said) == 2
     assert "rank 0: out of memory" not in retried.output
     logs = tmp_path / "retried" / "run" / "logs"
-    assert all((logs / f"attempt{a}.rank{r}.log").is_file() for a in (1, 2) for r in (0, 1))
+    assert all((logs / f"attempt{a}.rank{r}.log").is_file() for a in (1, 2, 3) for r in (0, 1))
     # Rank 0's log ends saying why: its child's own line when a failed collective woke it first, else
     # the supervisor's when it had to stop a child blocked in a collective.
     assert "rank 1 ran out of memory in warmup step 1" in (logs / "attempt1.rank0.log").read_text().splitlines()[-1]

@@ -89,6 +89,8 @@ def _mark_batch_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not tensors:
         return
     batch = tensors[0].size(0)
+    if batch < 2:  # Dynamo specializes sizes 0 and 1: a micro-batch of 1 compiles static, as it always runs
+        return
     # Only tensors that share the leading size are batched (x, targets, doc_ids); a (t, d) table is not.
     mark_batch_dynamic(*(t for t in tensors if t.size(0) == batch))
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacpp.model.registry import BLOCK_KINDS
 from megacpp.section import Section
 
 
@@ -20,6 +21,10 @@ class TrainConfig(Section):
     # CUDA: a run that runs out of memory in its first steps restarts itself with half the micro-batch
     # (megacpp.train.autofit.supervisor), down to oom_min_micro_batch. Ignored on CPU.
     oom_autofit: bool = True
+    # Block kinds whose mixers recompute their activations in the backward instead of keeping them
+    # (megacpp.train.recompute): "none", "all", or kinds such as "E" or "M,E". Auto-fit turns it to
+    # "all" before it cuts the micro-batch below 2.
+    recompute: str = "none"
     oom_min_micro_batch: int = 1
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -39,3 +44,19 @@ class TrainConfig(Section):
     # Profile this many steps after warmup (megacpp.train.profile): each rank's trace under
     # <out_dir>/profile/ and its split of a step into compute, exposed collectives and idle. 0 = off.
     profile_steps: int = 0
+
+
+def recompute_kinds(setting: str) -> frozenset[str]:
+    """The block kinds a ``train.recompute`` setting names ("none", "all", or e.g. "M,E"); ValueError
+    naming what is wrong otherwise."""
+    value = setting.strip()
+    if value == "none":
+        return frozenset()
+    if value == "all":
+        return frozenset(BLOCK_KINDS)
+    kinds = [part.strip() for part in value.split(",")]
+    unknown = [kind for kind in kinds if kind not in BLOCK_KINDS]
+    if unknown:
+        raise ValueError(f"{setting!r}: expected 'none', 'all' or block kinds separated by commas, each one of "
+                         f"{', '.join(BLOCK_KINDS)} (unknown: {', '.join(map(repr, unknown))})")
+    return frozenset(kinds)

@@ -56,6 +56,7 @@ from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.model_size import check_model_fits
 from megacpp.train.autofit.attempt import Attempt
+from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.grad_norms import PartGradNorms, spike_summary
 from megacpp.train.guards import DivergenceGuard, check_finite_weights, stop_nonfinite_loss
@@ -65,6 +66,7 @@ from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.plan import BatchPlan, trained_config
 from megacpp.train.profile import StepProfiler, StepSplit
 from megacpp.train.readback import Readback
+from megacpp.train.recompute import apply_recompute
 from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
 from megacpp.train.sample import end_of_run_sample
@@ -119,6 +121,7 @@ class Trainer:
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
         self.health = CompileHealth(bounds_for(self.cfg.compile))
+        apply_recompute(self.model, recompute_kinds(tc.recompute))  # before compile: the regions trace it
         self.parallel = apply_data_parallel(
             self.model, self.cfg.compile, self.cfg.dist, ctx,
             state_bytes=lambda: optimizer_state_bytes(self.model, self.cfg.optim, hints),

@@ -49,6 +49,7 @@ from megacpp.train.autofit import attempt as autofit
 from megacpp.train.autofit.attempt import AutoFitError, OomReport, next_micro_batch
 from megacpp.train.autofit.child_output import ChildOutput
 from megacpp.train.autofit.rendezvous import CLAIM_KEY, agent_hosts_store, job_store, oom_key
+from megacpp.train.config import TrainConfig
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
 if TYPE_CHECKING:
@@ -143,34 +144,61 @@ def _claim(job: Job, cfg: Config, resume: bool, store: Store | None) -> RunLock 
     return lock
 
 
+@dataclass(frozen=True)
+class Fit:
+    """What an attempt runs with: the micro-batch (None: the configured one, or on --resume the
+    checkpoint's) and whether auto-fit turned recompute on for every mixer."""
+    micro: int | None = None
+    recompute: bool = False
+
+    def describe(self, micro: int) -> str:
+        return f"{micro}" + (" with train.recompute all" if self.recompute else "")
+
+
+def next_fit(tc: TrainConfig, fit: Fit, oom_micro: int) -> Fit | None:
+    """The attempt after an out-of-memory error at micro-batch ``oom_micro``: half the micro-batch
+    (`next_micro_batch`), except that recompute of every mixer comes first where the micro-batch would
+    drop below 2 (or below the floor): it costs one more forward per step, a micro-batch of 1 leaves the
+    GPU's kernels half idle. None when nothing is left to try."""
+    recompute_on = fit.recompute or tc.recompute == "all"
+    micro = next_micro_batch(tc.batch_size, oom_micro, tc.oom_min_micro_batch)
+    if not recompute_on and (micro is None or micro < 2):
+        return Fit(oom_micro, recompute=True)
+    return None if micro is None else Fit(micro, fit.recompute)
+
+
 def _attempts(job: Job, cfg: Config, argv: list[str], store: Store | None) -> int:
     tc = cfg.train
-    micro: int | None = None  # attempt 1: the child's own choice (config, or the checkpoint's on --resume)
+    fit = Fit()  # attempt 1: the child's own choice
+    tried: list[str] = []
     attempt = 1
     while True:
-        outcome = _run_attempt(job, attempt, micro, argv, store)
+        outcome = _run_attempt(job, attempt, fit, argv, store)
         if outcome.status == 0:
             return 0
         if outcome.oom is None or outcome.interrupted:
             _report_failure(job, attempt, outcome)
             return outcome.status
         oom = outcome.oom
-        micro = next_micro_batch(tc.batch_size, oom.micro_batch, tc.oom_min_micro_batch)
+        tried.append(fit.describe(oom.micro_batch))
         on_rank = f" on rank {oom.rank}" if job.distributed else ""
-        if micro is None:
+        following = next_fit(tc, fit, oom.micro_batch)
+        if following is None:
             raise AutoFitError(
-                f"out of memory in warmup at every micro-batch auto-fit tried, down to {oom.micro_batch} "
-                f"(train.oom_min_micro_batch = {tc.oom_min_micro_batch}, train.batch_size {tc.batch_size}): step "
-                f"{oom.step}{on_rank} ran out with {oom.memory}; lower data.seq_len, use more GPUs (FSDP2 shards "
-                f"weights and optimizer state) or a smaller model (output: {job.log_path(attempt)})")
+                f"out of memory in warmup at every micro-batch auto-fit tried ({', '.join(tried)}; "
+                f"train.oom_min_micro_batch = {tc.oom_min_micro_batch}, train.batch_size {tc.batch_size}): step "
+                f"{oom.step}{on_rank} ran out with {oom.memory}; lower data.seq_len, use more GPUs (dist.strategy "
+                f"fsdp shards weights and optimizer state) or a smaller model (output: {job.log_path(attempt)})")
+        fit = following
+        how = " with every mixer's activations recomputed (train.recompute all)" if fit.recompute else ""
         _say(f"auto-fit: out of memory in warmup step {oom.step}{on_rank} at micro-batch {oom.micro_batch} "
-             f"({oom.memory}); attempt {attempt + 1} runs micro-batch {micro} x {tc.batch_size // micro} per batch "
-             f"of {tc.batch_size} (global batch, token stream and schedule unchanged)")
+             f"({oom.memory}); attempt {attempt + 1} runs micro-batch {fit.micro} x {tc.batch_size // fit.micro} per "
+             f"batch of {tc.batch_size}{how} (global batch, token stream and schedule unchanged)")
         attempt += 1
 
 
-def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], store: Store | None) -> Outcome:
-    command = child_command(argv, micro)
+def _run_attempt(job: Job, attempt: int, fit: Fit, argv: list[str], store: Store | None) -> Outcome:
+    command = child_command(argv, fit)
     report_path = job.report_path(attempt)
     report_path.unlink(missing_ok=True)
     sys.stdout.flush()
@@ -180,7 +208,7 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
             command, env=child_environment(os.environ, attempt, report_path), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
         header = (f"=== megacpp auto-fit attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}), micro-batch "
-                  f"{micro if micro is not None else 'as configured'}: {shlex.join(command)}")
+                  f"{fit.micro if fit.micro is not None else 'as configured'}: {shlex.join(command)}")
         output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
         peer_oom = _wait(proc, attempt, store)
     _end_stragglers(proc.pid)
@@ -190,10 +218,12 @@ def _run_attempt(job: Job, attempt: int, micro: int | None, argv: list[str], sto
     return Outcome(status, oom, bool(forwarding.received), output)
 
 
-def child_command(argv: Sequence[str], micro: int | None) -> list[str]:
-    """The training process's command line: the user's arguments, and on a retry the micro-batch to run
-    (last, so it wins over the user's own ``--train.micro_batch``)."""
-    retry = ["--train.micro_batch", str(micro)] if micro is not None else []
+def child_command(argv: Sequence[str], fit: Fit) -> list[str]:
+    """The training process's command line: the user's arguments, and on a retry what auto-fit chose
+    (last, so it wins over the user's own ``--train.micro_batch`` and ``--train.recompute``)."""
+    retry = ["--train.micro_batch", str(fit.micro)] if fit.micro is not None else []
+    if fit.recompute:
+        retry += ["--train.recompute", "all"]
     return [sys.executable, "-m", "megacpp.cli", *argv, *retry]
 
 
