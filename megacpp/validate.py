@@ -415,6 +415,15 @@ def _micro_batch_divides(k: _Keys) -> None:
                             "the micro-batch must divide train.batch_size (0 = the whole batch)")
 
 
+def _profile_fits(k: _Keys) -> None:
+    """Profiled steps come after the two warmup steps (megacpp.train.profile): a run too short to reach
+    them would silently profile nothing."""
+    profile, steps = k.value("train.profile_steps"), k.value("train.steps")
+    if profile and steps < 2 + profile:
+        raise k.error_among(("train.profile_steps", "train.steps"),
+                            f"profiling {profile} step(s) after the 2 warmup steps needs train.steps >= {2 + profile}")
+
+
 def _recompute_kinds(k: _Keys) -> None:
     """train.recompute names block kinds the registry knows (megacpp.train.recompute)."""
     try:
@@ -520,7 +529,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _ngram_orders,
     ),
     "data": (_byte_limits, _extensions_dotted, _corpus_names_a_path),
-    "train": (_device_form, _micro_batch_divides, _recompute_kinds),
+    "train": (_device_form, _micro_batch_divides, _recompute_kinds, _profile_fits),
     "optim": (_lr_scales_well_formed,),
     "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum, _schedule_fits_run,
          _lr_scales_name_used_kinds),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megacpp import validate
-from megacpp.config import Config, to_dict
+from megacpp.config import Config, ConfigError, to_dict
 from megacpp.distributed.context import DistContext
 from megacpp.presets import preset
 from megacpp.run_config import from_dict, gate, load_config
@@ -19,7 +19,7 @@ from megacpp.train import loop
 from megacpp.train.autofit.attempt import WINDOW_STEPS, SupervisedAttempt
 from megacpp.train.guards import DIVERGED_STEPS, DivergenceError, DivergenceGuard
 from megacpp.train.plan import BatchPlan, trained_config
-from megacpp.train.profile import split_trace
+from megacpp.train.profile import StepProfiler, split_trace
 from megacpp.train.votes import StopVotes
 
 
@@ -165,6 +165,18 @@ def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
     assert cpu.kernels == 0 and "no device kernels in the trace (a CPU run)" in cpu.line()
 
 
+def test_the_profiled_window_starts_at_step_10_where_the_run_allows():
+    def window(steps, total):
+        profiler = StepProfiler(steps, total, Path("run"), 0, torch.device("cpu"))
+        return profiler.first, profiler.last
+
+    assert window(3, 100) == (10, 12)
+    assert window(2, 5) == (4, 5)  # as late as a short run allows
+    with pytest.raises(ConfigError, match=r"train.profile_steps = 2: profiling 2 step\(s\) after the 2 warmup steps "
+                                          r"needs train.steps >= 4"):
+        load_config("tiny", None, [("train.profile_steps", "2"), ("train.steps", "3")])
+
+
 def test_train_profile_steps_writes_a_trace_and_a_split_per_rank(tmp_path, small_corpus):
     from megacpp.train.metrics import read_metrics
     from tests.helpers import tiny_train_config
@@ -172,7 +184,7 @@ def test_train_profile_steps_writes_a_trace_and_a_split_per_rank(tmp_path, small
     cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "5", "train.profile_steps": "2"})
     lines: list[str] = []
     loop.Trainer(cfg, log=lines.append, progress=False).run()
-    assert any(line.startswith("profile, steps 3-4, rank 0: ") for line in lines)
+    assert any(line.startswith("profile, steps 4-5, rank 0: ") for line in lines)
     assert (tmp_path / "run" / "profile" / "rank0.trace.json").stat().st_size > 0
     (record,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "profile"]
-    assert record["step"] == 4 and record["rank0"]["first"] == 3 and record["rank0"]["wall_ms"] > 0
+    assert record["step"] == 5 and record["rank0"]["first"] == 4 and record["rank0"]["wall_ms"] > 0

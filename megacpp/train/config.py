@@ -41,8 +41,9 @@ class TrainConfig(Section):
     sample_temperature: float = 0.8
     sample_top_k: int = 40
     tensorboard: bool = True
-    # Profile this many steps after warmup (megacpp.train.profile): each rank's trace under
-    # <out_dir>/profile/ and its split of a step into compute, exposed collectives and idle. 0 = off.
+    # Profile this many steps after warmup, from step 10 where the run is long enough (megacpp.train.profile):
+    # each rank's trace under <out_dir>/profile/ and its split of a step into compute, exposed collectives
+    # and idle. 0 = off.
     profile_steps: int = 0
 
 

@@ -253,7 +253,7 @@ class Trainer:
         out_of_time = False
         checkpoint: Path | None = None
         self.votes.start(after_warmup.enter_context(SigintFlag()))
-        profiler = StepProfiler(tc.profile_steps, self.out_dir, ctx.rank, self.device)
+        profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx.rank, self.device)
         try:
             t_last = time.perf_counter()
             while self.step < tc.steps:
