@@ -1,6 +1,7 @@
 import pytest
 
 from megacpp.model.pattern import PatternError, count_kinds, expand_pattern, validate_pattern
+from megacpp.model.registry import BLOCK_KINDS
 
 
 def test_nam52_tiling_counts():
@@ -22,7 +23,7 @@ def test_unknown_symbol_names_position_and_allowed(pattern, position, symbol):
         validate_pattern(pattern)
     msg = str(err.value)
     assert f"position {position}" in msg and repr(symbol) in msg
-    for allowed in "AMREF":
+    for allowed in BLOCK_KINDS:
         assert f"{allowed} (" in msg
 
 
@@ -42,7 +43,6 @@ def test_tier1_every_registered_kind_builds_from_the_registry():
     pattern error lists every registered kind. Breaks if a kind is added to one place only."""
     from megacpp.model.config import ModelConfig
     from megacpp.model.hybrid import Block
-    from megacpp.model.registry import BLOCK_KINDS
 
     cfg = ModelConfig(vocab_size=64, d_model=64, depth=5, pattern="".join(BLOCK_KINDS))
     cfg.attention.n_heads, cfg.attention.n_kv_heads, cfg.attention.head_dim = 2, 1, 32

@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megacpp.rules import NON_NEGATIVE, POSITIVE, ConfigSection, Interval
+
 
 @dataclass
-class DistConfig:
+class DistConfig(ConfigSection):
     # FSDP2: free each block's gathered weights after its forward and gather them again for the
     # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
     # whole model resident; on (nam52) trades a second all-gather for memory.
@@ -26,3 +28,8 @@ class DistConfig:
     # Resuming with another global batch (ranks x batch_size) reads a different token stream; refuse
     # unless this is set (the loader then continues from the same number of rows consumed).
     allow_global_batch_change: bool = False
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
+                "fingerprint_every": NON_NEGATIVE}  # 0 = only at checkpoints

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from megacpp.errors import MegacppError
+from megacpp.errors import ConfigError, MegacppError
 from megacpp.model.registry import BLOCK_KINDS
 
 
 class PatternError(MegacppError, ValueError):
     """A pattern string or depth that cannot describe a model."""
+
+
+class PatternConfigError(ConfigError, PatternError):
+    """A model.pattern or model.depth problem found by the model's rules (`ModelConfig.check`): a
+    configuration error (the CLI's exit status 2, like every other) that code expecting a PatternError
+    still catches as one."""
 
 
 def _allowed() -> str:
