@@ -30,7 +30,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CompileHealth, bounds_for
 from megacpp.compile.regions import compile_model
 from megacpp.compile.report import random_token_batch
-from megacpp.compile.versions import torch_version
+from megacpp.versions import torch_version
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

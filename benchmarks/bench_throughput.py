@@ -42,7 +42,6 @@ from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
-from megacpp.compile.versions import supports
 from megacpp.config import apply_overrides
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import Block, HybridLM
@@ -52,6 +51,7 @@ from megacpp.model.segments import document_segments
 from megacpp.optim import build_optimizers
 from megacpp.presets import PRESETS, dense_of, preset
 from megacpp.runtime.device import peak_flops
+from megacpp.versions import supports
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
 # The M pair and E are timed twice: from an idle GPU, so a host that launches slower than the GPU runs

@@ -184,12 +184,3 @@ def validate_config(cfg: Config, sources: Provenance | None = None) -> None:
     for rule in RULES:
         rule(k)
 
-
-def validate_section(section: Any, name: str) -> None:
-    """The types, ranges and rules of one top-level section without sub-sections, alone (e.g. a
-    DataConfig built in Python, before data work); rules between sections are left to `validate_config`."""
-    k = Keys(section, name)
-    check_types(section, k.label)
-    for ranges in section_ranges(name, section):
-        check_ranges(ranges, k)
-    section.check(k)

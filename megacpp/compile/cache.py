@@ -31,9 +31,9 @@ import torch
 from filelock import FileLock, Timeout
 
 from megacpp.compile.config import CompileConfig
-from megacpp.compile.versions import supports, torch_version
 from megacpp.errors import MegacppError
 from megacpp.fs import atomic_dir, atomic_path, atomic_write_bytes, is_temporary, scratch_dir
+from megacpp.versions import supports, torch_version
 
 MANIFEST = "MANIFEST.json"
 FILES_DIR = "inductor"

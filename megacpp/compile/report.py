@@ -22,7 +22,7 @@ from megacpp.compile.health import CallsiteStats, CompileHealth, bounds_for
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
 from megacpp.compile.retry import reset_and_rebuild
-from megacpp.compile.versions import torch_version
+from megacpp.versions import torch_version
 
 InputsFn = Callable[[nn.Module, int], dict[str, Tensor]]
 

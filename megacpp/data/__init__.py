@@ -2,9 +2,9 @@
 (shards), packed loaders (loader), baselines, and `prepare` that runs them in order.
 
 `from megacpp.data import prepare_data` works as documented, but the names load on first use
-(PEP 562): `megacpp.config` reads `DataConfig` from this package, and corpus discovery applies the
-configuration gate, which builds on `megacpp.config`; importing every submodule here would make
-`import megacpp.config` import itself half-way. Code inside megacpp imports from the submodules.
+(PEP 562): `megacpp.config` reads `DataConfig` from this package, and reading the configuration should
+not load the data path (the tokenizer library, the corpus walk, the loaders). Code inside megacpp
+imports from the submodules.
 """
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
-from megacpp.compile.versions import supports
-from megacpp.config import ConfigError
 from megacpp.distributed.config import DistConfig
+from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
+from megacpp.versions import supports
 
 # NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
 # torch's `torchfrtrace`; the dump goes into the run directory. Users' own settings win.

@@ -11,6 +11,10 @@ otherwise rank 0's supervisor hosts it, so it outlives every attempt):
 - the decision to retry: the rank that runs out of memory sets `oom_key` (its report, as JSON) before
   it exits, and every supervisor polls that key, so all ranks retry together even when a peer is
   blocked inside a collective that will never complete.
+
+The supervisor also hands each child the places of its own report, its start time and its parent
+through environment variables (`REPORT_ENV`, `SPAWNED_ENV`, `PARENT_ENV`): they differ between ranks by
+design, so the ranks' parity check (megacpp.distributed.parity) skips them.
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ from datetime import timedelta
 from torch.distributed import PrefixStore, Store, TCPStore
 
 CLAIM_KEY = "megacpp/run_dir_claim"  # rank 0's supervisor: "" (claimed) or its one-line refusal
+REPORT_ENV = "MEGACPP_AUTOFIT_REPORT"
+SPAWNED_ENV = "MEGACPP_AUTOFIT_SPAWNED"
+PARENT_ENV = "MEGACPP_AUTOFIT_PARENT"
+AUTOFIT_PER_RANK_ENV = (REPORT_ENV, SPAWNED_ENV, PARENT_ENV)
 
 
 def agent_hosts_store(environ: dict[str, str] | None = None) -> bool:

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacpp.compile.versions import supports
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys, check_alone
+from megacpp.versions import supports
 
 Routing = Literal["token_choice", "expert_choice"]
 Dispatch = Literal["auto", "padded", "grouped"]

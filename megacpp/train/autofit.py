@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megacpp.distributed.rendezvous import attempt_store, job_store, oom_key
+from megacpp.distributed.rendezvous import PARENT_ENV, REPORT_ENV, SPAWNED_ENV, attempt_store, job_store, oom_key
 from megacpp.errors import MegacppError
 
 if TYPE_CHECKING:
@@ -48,11 +48,7 @@ OOM_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: "try again"; the supervisor does, w
 
 ATTEMPT_ENV = "MEGACPP_AUTOFIT_ATTEMPT"
 MICRO_BATCH_ENV = "MEGACPP_MICRO_BATCH"
-REPORT_ENV = "MEGACPP_AUTOFIT_REPORT"
-SPAWNED_ENV = "MEGACPP_AUTOFIT_SPAWNED"
-PARENT_ENV = "MEGACPP_AUTOFIT_PARENT"
 TEST_OOM_ENV = "MEGACPP_TEST_OOM_ABOVE"
-PER_RANK_ENV = (REPORT_ENV, SPAWNED_ENV, PARENT_ENV)  # differ between ranks by design (parity skips them)
 
 
 class AutoFitError(MegacppError):

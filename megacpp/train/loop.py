@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
-from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.data.baselines import Baselines
 from megacpp.distributed import checkpoint as dist_checkpoint
@@ -45,11 +44,11 @@ from megacpp.distributed.parity import (
 )
 from megacpp.distributed.stats import StatisticsReducer
 from megacpp.distributed.watchdog import StepWatchdog
-from megacpp.doctor import kernel_report
 from megacpp.errors import Interrupted, MegacppError
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
+from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
 from megacpp.optim.local import local_tensor
 from megacpp.runtime.checkpoint import CheckpointError, check_compatible, check_resume_settings, read_meta
@@ -66,6 +65,7 @@ from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.readback import Readback
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 from megacpp.validate import validate_config
+from megacpp.versions import torch_version
 
 
 class NonFiniteLossError(MegacppError, RuntimeError):
