@@ -61,7 +61,7 @@ def test_torch_version_is_read_only_in_versions_py():
 
 def test_dynamo_reset_is_called_in_exactly_one_place():
     hits = _where(_calls_reset)
-    assert len(hits) == 1 and hits[0].startswith("megacpp/compile/retry.py:"), hits
+    assert len(hits) == 1 and hits[0].startswith("megacpp/compile/report.py:"), hits
 
 
 def test_suppress_errors_is_never_set():

@@ -206,12 +206,6 @@ def _digest(hashes: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-def content_digest(root: Path) -> tuple[str, int]:
-    """sha256 over (relative path, bytes) of every cache file under `root`, and the file count."""
-    hashes = file_hashes(root)
-    return _digest(hashes), len(hashes)
-
-
 def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:
     for rel in files:
         target = dst / rel

@@ -5,8 +5,6 @@ symbols, giving 13 A, 13 M, 22 E and 4 R sublayers.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from megacpp.errors import ConfigError, MegacppError
 from megacpp.model.registry import BLOCK_KINDS
 
@@ -52,8 +50,3 @@ def expand_pattern(pattern: str, depth: int) -> str:
     repeats, rest = divmod(depth, len(pattern))
     return pattern * repeats + pattern[:rest]
 
-
-def count_kinds(layout: str) -> dict[str, int]:
-    """Number of sublayers of each kind, in the canonical symbol order, zero counts included."""
-    counts = Counter(layout)
-    return {kind: counts.get(kind, 0) for kind in BLOCK_KINDS}
