@@ -34,7 +34,7 @@ compile-time specialization of the programs of the forward chain and the dB/dC k
 own in the output kernel (the register-capped chunk backward rotates them at zero angles). Software
 pipelining in the chains and in the dB/dC kernel's loop over a group's heads, with 16-bit operands;
 register caps (Triton's maxnreg) on the output and chunk-backward kernels, with 16-bit operands, where
-more programs per SM paid for a few spills (`tilings`). `benchmarks/check_mamba3_resources.py` compiles
+more programs per SM paid for a few spills (`tilings`). `benchmarks/tools/check_mamba3_resources.py` compiles
 every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
@@ -657,7 +657,7 @@ def _pow2(size: int, least: int) -> int:
 def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> Mapping[str, Tiling]:
     """The tiling of each kernel at these sizes: every program takes all of head_dim. Picked by timing
     the compiled M mixer on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24
-    and -25), and checked with benchmarks/check_mamba3_resources.py for sm_90 (shared memory under the
+    and -25), and checked with benchmarks/tools/check_mamba3_resources.py for sm_90 (shared memory under the
     limit). Cached, hence read-only: the ops run it at every call, on the
     host's critical path. What decided each (kernel ms):
     - state columns per block: the chunk backward 4.78 against 5.01 for 64 instead of 32 (an earlier
@@ -758,7 +758,7 @@ def fused_fwd(
     """Gated output (b, t, h, p) in x's dtype, final state (b, h, p, n) in fp32, every chunk's entering
     state (b, h, chunks, p, n) in matmul_dtype and the output before the gate (x's dtype, for the
     backward). Contract: `megacpp::mamba3_fused_fwd` (mamba3_fused.py). `launch` runs the kernel launch
-    (benchmarks/check_mamba3_resources.py passes one that only records it)."""
+    (benchmarks/tools/check_mamba3_resources.py passes one that only records it)."""
     b, t, h, p, g, n, na, nc = _sizes(x, B, theta, chunk_size)
     x, z, B, C = (_rows_unit_stride(v) for v in (x, z, B, C))
     B_bias, C_bias, theta, log_decay, sigma, gamma, D = (

@@ -1,7 +1,7 @@
 """M2RNN on a GPU: the fused Triton scan (megacpp/ops/m2rnn_triton.py, the ops' CUDA kernel) against the
 PyTorch reference loop (the same ops with the CUDA kernel disabled).
 
-    python benchmarks/bench_m2rnn.py --d-model 768 --heads 6 --key-dim 64 --value-dim 64 --batch 16 --seq 2048
+    python benchmarks/kernels/bench_m2rnn.py --d-model 768 --heads 6 --key-dim 64 --value-dim 64 --batch 16 --seq 2048
 
 1. Correctness: the scan ops on random float32 inputs (--check-batch x --check-seq, the bench's heads
    and dims; q, k unit-norm, f in (0, 1], W near identity): max |triton - reference| of y, the states
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from timing import fwd_bwd_ms, median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
 from megacpp.ops import m2rnn_triton

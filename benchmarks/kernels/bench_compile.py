@@ -1,6 +1,6 @@
 """Compile benchmark: cold vs warm (cache) compile time, and steady-state step time compiled vs eager.
 
-    PYTHONPATH=. python benchmarks/bench_compile.py --factory tests.compile_fixtures.standin:build_standin \\
+    PYTHONPATH=. python benchmarks/kernels/bench_compile.py --factory tests.compile_fixtures.standin:build_standin \\
         --backend inductor --mode blocks --batch 8 --seq 128 --steps 20
 
 `--factory module:function` builds the model (keyword arguments from `--factory-kwargs` JSON); it must

@@ -5,8 +5,8 @@ Variants (name: what runs):
 - ``small-2``: `small` on 2 GPUs, micro-batch 16 per GPU (the same global batch, the same token stream);
 - ``nam52-dD``: `nam52` cut to depth D (its pattern and widths unchanged) on all visible GPUs.
 
-    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2 --steps 40
-    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2 --steps 40
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
 
 For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
 time (compile), peak memory of rank 0; for the small pair, the scaling efficiency (per-GPU tokens/s
