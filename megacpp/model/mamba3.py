@@ -52,8 +52,9 @@ class Mamba3Config(ConfigSection):
     # Implementation of the fused scan (megacpp/ops/mamba3_fused.py): "auto" runs the Triton kernels on
     # CUDA tensors they support and the pure-PyTorch reference elsewhere (CPU always); "reference" and
     # "triton" force one ("triton" fails where it cannot run). The library default stays "reference":
-    # the kernels are measured faster only with bf16 operands at `small`'s sizes (9.85 against 10.61 ms
-    # per compiled M mixer on an H200, BENCHMARKS.md), which is where `small` turns them on.
+    # the kernels are measured faster only with bf16 operands at `small`'s sizes (6.47 against 10.12 ms
+    # per compiled M sublayer on an H200; with fp32 operands at `nam52`'s, 22.70 against 19.29:
+    # BENCHMARKS.md), which is where `small` turns them on.
     scan_kernel: ScanKernel = "reference"
 
     @classmethod

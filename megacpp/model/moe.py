@@ -88,7 +88,7 @@ def token_choice_route(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor
     expert) and each picked score is a masked sum over the expert axis, where it is the only non-zero
     term, so exact. Compiled, selection, weights and their backward fuse into the kernels around them:
     torch.topk and the gather's scatter-add backward were four library kernels of their own, and
-    topk alone ~75 µs a call at `small` (BENCHMARKS.md, issue 12)."""
+    topk alone ~75 µs a call at `small` (docs/benchmarks_archive.md, issue 12)."""
     experts = torch.arange(scores.shape[-1], device=scores.device)
     candidates = scores + bias
     picks, picked = [], []
@@ -179,7 +179,7 @@ def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor
     batch rows, plus its rank among that expert's rows in its own: a running count along m per (batch
     row, expert), which Inductor fuses with the one-hot, where a radix sort over the int64 ids is a
     chain of library kernels, each a launch the host pays for (E is host-bound on slower hosts;
-    BENCHMARKS.md, issue 12). The count runs along m, not along all b*m rows: one scan per (row,
+    docs/benchmarks_archive.md, issue 12). The count runs along m, not along all b*m rows: one scan per (row,
     expert), in parallel (3.5 µs at `small` on an H200, where one scan over all rows took 88.5)."""
     b, m = routed.shape
     experts = torch.arange(n_experts, device=routed.device)
