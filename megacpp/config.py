@@ -3,6 +3,11 @@
 The layers are merged and checked by `megacpp.run_config` (preset < TOML file < command line, then the
 gate); this module holds what both the presets and the gate build on. Every error names the offending
 key and where it came from (file and line, the command line, the preset or a checkpoint's meta.json).
+
+`Config` composes the section dataclasses, each defined beside the code that reads it (model/, optim/,
+data/, train/, compile/, distributed/) on the vocabulary of `megacpp.rules`: importing those `config`
+modules from packages above this one is the one exception to the rule that imports run down
+(tests/test_layering.py).
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ from typing import Any, NamedTuple
 from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
 from megacpp.distributed.config import DistConfig
-from megacpp.errors import MegacppError
+from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
+from megacpp.rules import Provenance, coerce, field_types
 from megacpp.section import Section
 from megacpp.train.config import TrainConfig
 
@@ -44,81 +50,6 @@ class Config(Section):
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(MegacppError, ValueError):
-    """A configuration value, key or file that cannot be used."""
-
-
-class Provenance:
-    """Where each configuration value came from, so an error can point at the line to change.
-
-    Merges record every key they set ("run.toml:4", "command line --model.depth"); a key no merge set
-    reports `base`, the config's starting point ("preset 'tiny'", "built-in default", a checkpoint's
-    meta.json). It lives beside the Config, not in it, so a Config stays plain data.
-    """
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self._keys: dict[str, str] = {}
-
-    def record(self, key: str, source: str) -> None:
-        self._keys[key] = source
-
-    def source(self, key: str) -> str:
-        return self._keys.get(key, self.base)
-
-    def is_set(self, key: str) -> bool:
-        """Whether a merge set ``key`` (rather than the starting point)."""
-        return key in self._keys
-
-
-# ---------------------------------------------------------------- type coercion
-
-
-def _describe(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else converts."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: expected {_describe(tp)}, got {value!r}")
-    if origin is typing.Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
-        return value
-    if origin in (list, tuple):
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list of {_describe(item_tp)}, got {value!r}")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got bool {value!r}")
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
@@ -129,7 +60,7 @@ def merge_dict(
     obj: Any, data: dict[str, Any], where: Callable[[str], str], sources: Provenance, prefix: str = ""
 ) -> None:
     """Recursively assign ``data`` onto the dataclass ``obj`` with type checks, recording each key's source."""
-    hints = _field_types(type(obj))
+    hints = field_types(type(obj))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in hints:
@@ -140,22 +71,8 @@ def merge_dict(
                 raise ConfigError(f"{where(dotted)}: {dotted!r} is a section, got {value!r}")
             merge_dict(current, value, where, sources, f"{dotted}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], f"{where(dotted)}: {dotted!r}"))
+            setattr(obj, key, coerce(value, hints[key], f"{where(dotted)}: {dotted!r}"))
             sources.record(dotted, where(dotted))
-
-
-def check_types(obj: Any, label: Callable[[str], str], prefix: str = "") -> None:
-    """Check every field of the dataclass tree ``obj`` against its annotation, as a merge does.
-
-    For configs built or changed in Python, which never went through a merge; ``label(dotted)``
-    starts each error (e.g. "run.toml:4: model.depth").
-    """
-    for key, tp in _field_types(type(obj)).items():
-        dotted, value = f"{prefix}{key}", getattr(obj, key)
-        if dataclasses.is_dataclass(value):
-            check_types(value, label, f"{dotted}.")
-        else:
-            _coerce(value, tp, label(dotted))
 
 
 # ---------------------------------------------------------------- TOML files
@@ -274,7 +191,7 @@ def _parse_cli_value(raw: str, tp: Any, where: str) -> Any:
             value = [_parse_cli_value(v, item_tp, where) for v in items]
         else:
             value = raw
-    return _coerce(value, tp, where)
+    return coerce(value, tp, where)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -294,11 +211,11 @@ def apply_overrides(cfg: Config, overrides: Sequence[tuple[str, str]]) -> Config
         *path, key = dotted.split(".")
         obj: Any = cfg
         for i, part in enumerate(path):
-            hints = _field_types(type(obj))
+            hints = field_types(type(obj))
             if part not in hints or not dataclasses.is_dataclass(getattr(obj, part)):
                 raise _unknown_key(".".join(path[: i + 1]), list(hints), where)
             obj = getattr(obj, part)
-        hints = _field_types(type(obj))
+        hints = field_types(type(obj))
         if key not in hints or dataclasses.is_dataclass(getattr(obj, key)):
             raise _unknown_key(dotted, [k for k in hints if not dataclasses.is_dataclass(getattr(obj, k))], where)
         setattr(obj, key, _parse_cli_value(raw, hints[key], where))

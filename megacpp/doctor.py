@@ -1,14 +1,14 @@
 """``megacpp doctor``: what this machine runs megacpp with, and what megacpp promises on it."""
 from __future__ import annotations
 
-import importlib
 import platform
 import sys
 
 import torch
 
-from megacpp.compile.versions import torch_version
 from megacpp.config import Config
+from megacpp.ops.fast_paths import kernel_report
+from megacpp.versions import package_version, torch_version
 
 # What is bit-exact, what is rerun-deterministic, what is only statistically equivalent, and the test
 # that backs each row. Keep in step with tests/ (test_doctor.py checks every named test exists).
@@ -48,13 +48,6 @@ PROMISES: list[tuple[str, str, str]] = [
 ]
 
 
-def package_version(module: str) -> str:
-    try:
-        return getattr(importlib.import_module(module), "__version__", "installed")
-    except ImportError:
-        return "not installed"
-
-
 def _devices() -> list[str]:
     if not torch.cuda.is_available():
         return [f"cpu ({torch.get_num_threads()} threads); no CUDA device"]
@@ -63,35 +56,6 @@ def _devices() -> list[str]:
         p = torch.cuda.get_device_properties(i)
         out.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
     return out
-
-
-def kernel_report() -> list[str]:
-    """Which fast paths load here; each has a pure-PyTorch reference it falls back to. The multi-GPU
-    parity check compares these lines across ranks: ranks must run the same kernels."""
-    from megacpp.compile.versions import supports
-
-    flex = "available on CUDA" if supports("flex_attention") else "fallback: SDPA with a dense mask"
-    rows = [f"FlexAttention (document masks, soft-cap): {flex}; CPU always uses SDPA with a mask"]
-    triton = package_version("triton")
-    rows.append(f"Triton {triton}: " + ("usable" if torch.cuda.is_available() and triton != "not installed"
-                                         else "not used (CPU or not installed)"))
-    from megacpp.ops import m2rnn_scan, mamba3_angles, mamba3_fused, softcap_xent
-
-    fused = m2rnn_scan.m2rnn_triton is not None and torch.cuda.is_available()
-    rows.append("m2rnn_scan: " + ("fused Triton kernels on CUDA (reference for unsupported sizes)" if fused
-                                  else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
-    fused = mamba3_fused.mamba3_triton is not None and torch.cuda.is_available()
-    rows.append("mamba3 scan: pure-PyTorch chunked reference by default; " + (
-        "fused Triton kernels available on CUDA (model.mamba.scan_kernel = auto or triton)" if fused
-        else "no fused kernels here (no CUDA or no triton)"))
-    fused = mamba3_angles.triton is not None and torch.cuda.is_available()
-    rows.append("mamba3 angles: " + ("fused Triton kernels on CUDA (reference for unsupported inputs)" if fused
-                                     else "pure-PyTorch reference (custom op; no CUDA or no triton)"))
-    fused = softcap_xent.softcap_xent_triton is not None and torch.cuda.is_available()
-    rows.append("loss head: F.cross_entropy on the soft-capped logits by default; " + (
-        "fused Triton loss available on CUDA (model.loss_kernel = auto or triton)" if fused
-        else "no fused loss here (no CUDA or no triton)"))
-    return rows
 
 
 def distributed_report(cfg: Config) -> list[str]:

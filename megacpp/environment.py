@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from megacpp.compile.versions import parse_version, public_version, torch_version
-from megacpp.errors import MegacppError, UsageError
+from megacpp.errors import ConfigError, MegacppError, UsageError
 from megacpp.fs import atomic_write_text
+from megacpp.versions import parse_version, public_version, torch_version
 
 # Compiled packages megacpp may load through their Python APIs even when they do not declare torch.
 KNOWN_EXTENSIONS = ("flash_attn", "flash-attn", "mamba_ssm", "mamba-ssm", "causal_conv1d", "causal-conv1d",
@@ -230,7 +230,6 @@ def compare(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def _check_freeze_target(path: Path) -> None:
     """`--freeze` writes a new file or replaces an earlier record (what `read_freeze` accepts), nothing else."""
-    from megacpp.config import ConfigError
 
     if path.is_dir():
         raise UsageError(f"--freeze {path}: is a directory; expected a file path for the record, "
@@ -260,7 +259,6 @@ def write_freeze(path: Path) -> dict[str, Any]:
 
 
 def read_freeze(path: Path) -> dict[str, Any]:
-    from megacpp.config import ConfigError
 
     try:
         record = json.loads(path.read_text())

@@ -11,6 +11,10 @@ class MegacppError(Exception):
     """A problem with the user's input or environment, explained by its message."""
 
 
+class ConfigError(MegacppError, ValueError):
+    """A configuration value, key or file that cannot be used."""
+
+
 class UsageError(MegacppError):
     """A command-line argument outside its range or form; the CLI exits with status 2, like argparse."""
 

@@ -45,13 +45,14 @@ def small() -> Config:
     m.d_model, m.depth, m.pattern = 768, 24, "AEMEAEMEAEMR"
     m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 6, 2, 128
     m.mamba.d_state, m.mamba.expand, m.mamba.head_dim = 128, 2, 64
-    # bf16 operands under autocast (as mamba_ssm's kernels): the M mixer 10.5 ms instead of 13.4 on an H200
+    # bf16 operands under autocast (as mamba_ssm's kernels): with the reference scan the M mixer took 10.5 ms
+    # instead of 13.4 on an H200 (docs/benchmarks_archive.md)
     m.mamba.scan_matmuls = "activation"
-    # The fused Triton scan on CUDA (the reference on CPU): at these sizes on an H200 the compiled M mixer
-    # took 9.85 ms with it and 10.61 with the reference scan (BENCHMARKS.md, 2026-11-24).
+    # The fused Triton scan on CUDA (the reference on CPU): at these sizes on an H200 the compiled M
+    # sublayer takes 6.47 ms with it and 10.12 with the reference scan (BENCHMARKS.md, sublayers).
     m.mamba.scan_kernel = "auto"
     # The fused loss head on CUDA (the reference on CPU): the compiled head 11.2 -> 10.0 ms per step on an
-    # H200 at the same peak memory (BENCHMARKS.md, 2026-11-25).
+    # H200 at the same peak memory (docs/benchmarks_archive.md, 2026-11-25).
     m.loss_kernel = "auto"
     # shared expert + top-2 of 16, each 1024 wide: 3 x 2 x 768 x 1024 = 4.7M active, d12's MLP size
     m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 16, 2, 1024
@@ -77,7 +78,7 @@ def dense_of(cfg: Config) -> Config:
     out = copy.deepcopy(cfg)
     out.model.pattern = "AF"
     # small's factors name kinds dense has none of; A at half rate measured within run-to-run noise
-    # (0.352 against 0.356 bits/byte, BENCHMARKS.md), so every kind keeps the base rates.
+    # (0.352 against 0.356 bits/byte at best, BENCHMARKS.md), so every kind keeps the base rates.
     out.optim.lr_scale_by_kind = []
     return out
 
@@ -98,7 +99,7 @@ def nam52() -> Config:
     m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 16, 64, 64
     # The fused loss head on CUDA (the reference on CPU): at these shapes (B4 x T4096, vocab 65536) on an
     # H200 the compiled head took 21.4 ms instead of 22.5, and 21.9 instead of 44.1 uncompiled, with 2.9
-    # GiB of peak memory instead of 16.3 (BENCHMARKS.md, 2026-11-25). The scan stays the reference: with
+    # GiB of peak memory instead of 16.3 (BENCHMARKS.md, nam52's shapes). The scan stays the reference: with
     # fp32 operands the fused kernel's M sublayer was slower here (22.7 ms against 19.3).
     m.loss_kernel = "auto"
     m.ffn.hidden = 8192

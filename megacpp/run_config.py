@@ -73,11 +73,6 @@ def load_config(
     return gate(cfg, sources), sources
 
 
-def load_toml(path: str | Path) -> Config:
-    """A TOML config file merged onto its preset (or the built-in defaults)."""
-    return load_config(path=path)[0]
-
-
 def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
     """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
     cfg = Config()

@@ -1,4 +1,4 @@
-"""benchmarks/compare_quality.py, loss_spread.py and quality_study.py: the runs a user names, and
+"""benchmarks/runs/compare_quality.py, loss_spread.py and quality_study.py: the runs a user names, and
 mistakes in naming them, end in one line (SystemExit with a message), never a traceback; a mistake in
 any quality_study variant is reported before any variant trains."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "runs"
 
 
 @pytest.fixture

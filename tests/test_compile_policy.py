@@ -7,7 +7,7 @@ import torch._dynamo
 from megacpp.compile import policy
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import KNOBS, POLICY, Knob, PolicyError, apply_policy
-from megacpp.compile.versions import GATES, Gate
+from megacpp.versions import GATES, Gate
 
 
 @pytest.fixture(autouse=True)

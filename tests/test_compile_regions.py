@@ -57,7 +57,6 @@ def test_modes_compile_with_zero_breaks(mode, modules):
     assert {name: s.modules for name, s in stats.items()} == modules
     for callsite in modules:
         assert stats[callsite].graphs >= 1 and stats[callsite].compile_time_s > 0
-    assert not compiled.warming_up
 
 
 @pytest.mark.parametrize("mode", ["model", "blocks"])

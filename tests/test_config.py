@@ -2,7 +2,7 @@ import pytest
 
 from megacpp.config import Config, ConfigError, apply_overrides, dump_toml
 from megacpp.presets import PRESETS, preset
-from megacpp.run_config import load_toml
+from megacpp.run_config import load_config
 
 
 def test_cli_override_nested_and_types():
@@ -34,7 +34,7 @@ def test_toml_unknown_key_names_file_and_line(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[model]\ndepth = 6\nwidht = 3\n')
     with pytest.raises(ConfigError) as err:
-        load_toml(path)
+        load_config(path=path)[0]
     assert f"{path}:3" in str(err.value) and "'model.widht'" in str(err.value)
 
 
@@ -42,7 +42,7 @@ def test_toml_wrong_type_names_file_line_and_key(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('preset = "tiny"\n\n[model.attention]\nn_heads = "four"\n')
     with pytest.raises(ConfigError) as err:
-        load_toml(path)
+        load_config(path=path)[0]
     assert f"{path}:4" in str(err.value) and "model.attention.n_heads" in str(err.value)
     assert "expected int" in str(err.value)
 
@@ -56,7 +56,7 @@ def test_choice_fields_accept_their_choices_and_name_them_otherwise(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[model.moe]\nrouting = "expert"\n')
     with pytest.raises(ConfigError) as err:
-        load_toml(path)
+        load_config(path=path)[0]
     assert f"{path}:2" in str(err.value) and "expected one of 'token_choice', 'expert_choice'" in str(err.value)
 
 
@@ -64,14 +64,14 @@ def test_toml_syntax_error_is_config_error(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
-        load_toml(path)
+        load_config(path=path)[0]
 
 
 def test_toml_preset_base_and_round_trip(tmp_path):
     cfg = apply_overrides(preset("tiny"), [("model.depth", "12")])
     path = tmp_path / "round.toml"
     path.write_text(dump_toml(cfg))
-    assert load_toml(path) == cfg
+    assert load_config(path=path)[0] == cfg
 
 
 def test_unknown_preset():
@@ -83,7 +83,7 @@ def test_tier1_an_unknown_preset_in_a_file_names_the_file_and_line(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('# my run\n\npreset = "nope"\n')
     with pytest.raises(ConfigError) as err:
-        load_toml(path)
+        load_config(path=path)[0]
     assert str(err.value) == f"{path}:3: unknown preset 'nope'; available presets: tiny, small, dense, nam52"
 
 

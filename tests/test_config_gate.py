@@ -49,6 +49,13 @@ BAD_OVERRIDES = [
     ("optim.warmup_steps", "300", "schedule does not fit the run", "train.steps = 200"),
     # layer index
     ("model.engram.layers", "[3, 10]", "block indices [10] are outside [0, depth)", "model.depth = 10"),
+    # an optimizer's own setting, ranged by its OptimizerSpec; a block section's rule, by its dataclass
+    ("optim.ns_steps", "0", "must be >= 1", None),
+    ("optim.adamw_beta2", "1.0", "must be in [0, 1)", None),
+    ("model.rnn.A_init_min", "20", "A_init_min must be <= A_init_max: they bound an init range",
+     "model.rnn.A_init_max = 16.0"),
+    ("model.mamba.rope_fraction", "0.05", "rope_fraction * d_state must cover at least one pair",
+     "model.mamba.d_state = 16"),
     # learning-rate factors per block kind: form, kind, factor, repetition; a kind the pattern lacks
     ("optim.lr_scale_by_kind", "M", "entry 'M' is not <kind>=<factor>", None),
     ("optim.lr_scale_by_kind", "Q=0.5", "with a kind among A, M, R, E, F", None),

@@ -143,11 +143,6 @@ def test_empty_after_filtering_says_why(tmp_path):
         discover_corpus(DataConfig(corpus=[str(tmp_path / "empty")]))
 
 
-def test_bad_config_value_named():
-    with pytest.raises(ValueError, match="data.val_fraction"):
-        discover_corpus(DataConfig(val_fraction=1.5))
-
-
 def test_default_corpus_is_torch_include_headers():
     import torch
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megacpp.data.config import DataConfig
-from megacpp.data.loader import LoaderStateError, PackedLoader, ValLoader, bits_per_byte
+from megacpp.data.loader import LoaderStateError, PackedLoader, ValLoader
 from megacpp.data.prepare import prepare_data
 from megacpp.data.shards import ShardSet, ShardSplit
 
@@ -296,7 +296,6 @@ def test_tier2_val_loader_deterministic_with_correct_byte_counts(data):
     tail_tokens = split.num_tokens - 1 - len(full) * T
     assert split.num_bytes - covered <= tail_tokens * int(shards.token_bytes.max())
     assert covered <= split.num_bytes
-    assert bits_per_byte(float(np.log(2)) * 8, 8) == pytest.approx(1.0)
 
 
 def test_tier1_a_small_val_split_is_evaluated_whole_on_any_rank_count(data):

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from megacpp.model.hybrid import HybridLM
+from megacpp.model.perturb import perturb_, perturbed, restore_
 from megacpp.runtime.generate import generate_tokens, sample_next
 from megacpp.train.determinism import configure_mode, mode_report
-from megacpp.train.perturb import perturb_, perturbed, restore_
 from tests.fixtures.make_default_path import FIXTURE, pinned_config, pinned_run_in_child
 from tests.helpers import tiny_train_config
 

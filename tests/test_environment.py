@@ -10,8 +10,8 @@ import sysconfig
 import pytest
 
 from megacpp.cli import main
-from megacpp.compile.versions import torch_version
 from megacpp.environment import audit, compare, freeze
+from megacpp.versions import torch_version
 
 RUNNING = ".".join(map(str, torch_version().release[:2]))
 

@@ -1,5 +1,10 @@
 """Package boundaries, checked on the source and on what an import really loads.
 
+Every import runs down: the rooms of the package (its top-level modules and subpackages) stack in
+floors, each importing only rooms below it, with one stated exception, the configuration's composition:
+`megacpp/config.py` composes the section dataclasses, each defined in the package that reads it
+(`megacpp.train.config`, `megacpp.data.config`, ...), including packages that sit above it.
+
 `megacpp.train` and `megacpp.infer` never import each other: what both need (checkpoint format, device,
 data bundle, evaluation, generation) lives in `megacpp.runtime`, which imports neither. Reading the
 configuration must load neither Dynamo nor DTensor (seconds of import before `megacpp config` answers).
@@ -131,9 +136,45 @@ def test_the_package_has_no_import_cycle():
     assert _find_cycle(_import_graph()) is None
 
 
+def _room(module: str) -> str:
+    """The room a module stands in: ``megacpp.optim.muon`` in ``megacpp.optim``, ``megacpp.cli`` in itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _is_composition(module: str, imported: str) -> bool:
+    """The stated exception: megacpp.config importing a package's section module, ``megacpp.<package>.config``."""
+    return module == "megacpp.config" and imported.count(".") == 2 and imported.endswith(".config")
+
+
+def _room_graph() -> dict[str, set[str]]:
+    """Room -> the rooms it imports, the configuration's composition left out."""
+    rooms: dict[str, set[str]] = {}
+    for module, names in _import_graph().items():
+        if module == "megacpp":  # the package's own (empty) __init__
+            continue
+        found = rooms.setdefault(_room(module), set())
+        found.update(_room(n) for n in names if n != "megacpp" and not _is_composition(module, n))
+    return {room: deps - {room} for room, deps in rooms.items()}
+
+
+def test_rooms_and_the_composition_exception_are_what_they_say():
+    assert _room("megacpp.optim.muon") == "megacpp.optim" and _room("megacpp.cli") == "megacpp.cli"
+    assert _is_composition("megacpp.config", "megacpp.train.config")
+    assert not _is_composition("megacpp.config", "megacpp.train.loop")
+    assert not _is_composition("megacpp.validate", "megacpp.train.config")
+
+
+def test_every_import_runs_down_but_the_configuration_composition():
+    """The rooms form no circle once megacpp.config's section imports are set aside, so they stack in
+    floors with every import running down. A circle names the imports to turn around (the version table
+    once lived in compile/ though model/ read it; distributed/ read a constant of train/; the data path
+    called the gate its caller had run)."""
+    assert _find_cycle(_room_graph()) is None
+
+
 def test_the_data_package_loads_its_names_on_first_use():
     """`from megacpp.data import X` works for every documented name, and reading the configuration does
-    not load the data path (its corpus discovery imports the gate, which imports megacpp.config)."""
+    not load the data path (the tokenizer library, the corpus walk, the loaders)."""
     import megacpp.data
 
     assert all(getattr(megacpp.data, name) is not None for name in megacpp.data.__all__)

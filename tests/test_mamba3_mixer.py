@@ -131,7 +131,7 @@ def test_tier3_activation_scan_matmuls_under_bf16_autocast_close_to_float32():
 
 
 def test_scan_matmuls_rejects_unknown_values():
-    with pytest.raises(ValueError, match="scan_matmuls must be one of"):
+    with pytest.raises(ValueError, match="Mamba3Config.scan_matmuls: expected one of"):
         make_mixer(0, scan_matmuls="bf16")
 
 

@@ -595,7 +595,7 @@ def test_tier1_auto_dispatch_is_padded_on_cpu():
 @pytest.mark.parametrize(("overrides", "why"), [
     ({"routing": "expert_choice"}, "token_choice"),
     ({"expert_hidden": 20}, "multiples of 8"),
-    ({"dispatch": "dropless"}, "dispatch must be one of"),
+    ({"dispatch": "dropless"}, "MoEConfig.dispatch: expected one of"),
 ])
 def test_tier1_grouped_dispatch_refuses_what_it_cannot_serve(overrides, why):
     fields = {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "dispatch": "grouped", **overrides}

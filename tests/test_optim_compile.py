@@ -26,8 +26,9 @@ def _drive(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int, h
     for i in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
-        for key in hparams:
-            opt.set_hparam(key, {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}[key] * (1 + i) / steps)
+        for key in hparams:  # written in place, as the scheduler writes lr
+            for group in opt.param_groups:
+                group[key].fill_({"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}[key] * (1 + i) / steps)
         opt.step()
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import parameter_parts
+from megacpp.model.registry import BLOCK_KINDS
 from megacpp.optim import OptimConfig, OptimizerStack, build_optimizers
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.presets import tiny
@@ -144,9 +145,9 @@ def test_tier1_factors_of_one_change_the_groups_but_not_a_bit_of_the_training() 
     separate AdamW groups), yet after 3 steps the weights and optimizer moments equal an unscaled run's.
     On a CPU a Muon bucket's batched update equals the per-matrix one bit for bit (docs/optim.md)."""
     plain_model, plain = _train([])
-    scaled_model, scaled = _train(["A=1", "M=1", "R=1", "E=1", "F=1"])
+    scaled_model, scaled = _train([f"{kind}=1" for kind in BLOCK_KINDS])
     names = [g["name"] for opt in scaled.optimizers for g in opt.param_groups]
-    assert all(any(f"@{kind}" in name for name in names) for kind in "AMREF")
+    assert all(any(f"@{kind}" in name for name in names) for kind in BLOCK_KINDS)
     assert len(names) > sum(len(opt.param_groups) for opt in plain.optimizers)
     a, b = _weights(plain_model), _weights(scaled_model)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -31,9 +31,9 @@ import torch
 from filelock import FileLock, Timeout
 
 from megacpp.compile.config import CompileConfig
-from megacpp.compile.versions import supports, torch_version
 from megacpp.errors import MegacppError
 from megacpp.fs import atomic_dir, atomic_path, atomic_write_bytes, is_temporary, scratch_dir
+from megacpp.versions import supports, torch_version
 
 MANIFEST = "MANIFEST.json"
 FILES_DIR = "inductor"
@@ -204,12 +204,6 @@ def _digest(hashes: dict[str, str]) -> str:
         digest.update(rel.encode() + b"\0")
         digest.update(bytes.fromhex(file_digest))
     return digest.hexdigest()
-
-
-def content_digest(root: Path) -> tuple[str, int]:
-    """sha256 over (relative path, bytes) of every cache file under `root`, and the file count."""
-    hashes = file_hashes(root)
-    return _digest(hashes), len(hashes)
 
 
 def _copy_tree(src: Path, dst: Path, files: list[Path]) -> None:

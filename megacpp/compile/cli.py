@@ -3,18 +3,25 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from megacpp.compile.cache import export_cache, import_cache, setup_inductor_cache
 from megacpp.compile.report import compile_report, token_inputs
+from megacpp.data.config import DataConfig
+from megacpp.model.config import ModelConfig
 
-if TYPE_CHECKING:
-    from megacpp.config import Config
+
+class RunConfig(Protocol):
+    """The sections of a run's `megacpp.config.Config` the report reads (that module composes this
+    package's own section, so it sits above it)."""
+
+    model: ModelConfig
+    data: DataConfig
 
 
-def compile_report_cli(cfg: Config, backend: str = "eager", mode: str = "blocks", device: str = "auto") -> str:
+def compile_report_cli(cfg: RunConfig, backend: str = "eager", mode: str = "blocks", device: str = "auto") -> str:
     """The compile report for the HybridLM of `cfg` (preset and overrides already applied)."""
     from megacpp.model.hybrid import HybridLM
 

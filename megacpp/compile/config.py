@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from megacpp.section import Section
+from megacpp.rules import NON_NEGATIVE, ConfigSection, Interval
 
 CompileMode = Literal["none", "model", "blocks"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
@@ -13,7 +13,7 @@ BACKENDS = get_args(CompileBackend)
 
 
 @dataclass
-class CompileConfig(Section):
+class CompileConfig(ConfigSection):
     mode: CompileMode = "blocks"  # model: the whole model; blocks: each block of model.blocks on its own
     backend: CompileBackend = "inductor"  # eager: Dynamo capture only, no lowering
     fullgraph: bool = False  # True: Dynamo raises at the first break instead of the bound check counting it
@@ -27,3 +27,7 @@ class CompileConfig(Section):
     # matters once autotuning is on).
     autotune_subprocess: bool = True
     cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"max_graph_breaks": NON_NEGATIVE, "max_recompiles_after_warmup": NON_NEGATIVE}

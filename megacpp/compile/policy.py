@@ -14,8 +14,8 @@ from typing import Any
 import torch._dynamo
 
 from megacpp.compile.config import CompileConfig
-from megacpp.compile.versions import supports, torch_version
 from megacpp.errors import MegacppError
+from megacpp.versions import supports, torch_version
 
 log = logging.getLogger(__name__)
 

@@ -55,10 +55,6 @@ class CompiledModel:
     regions: list[Region] = field(default_factory=list)
     _hooks: list[RemovableHandle | _MethodMarking] = field(default_factory=list, repr=False)
 
-    @property
-    def warming_up(self) -> bool:
-        return bool(self._hooks)
-
     def end_warmup(self) -> None:
         """Stop marking the batch axis: frames first compiled after this are static (and recompiles)."""
         for hook in self._hooks:

@@ -4,6 +4,10 @@ Two measured passes over a freshly built model: cold (Dynamo reset, empty Induct
 (Dynamo reset again, Inductor/AOTAutograd on-disk caches kept). With ``backend="eager"`` both passes
 are pure Dynamo tracing, so comparing backends tells tracing trouble from backend trouble. Each pass
 runs a warmup step and then a smaller batch, which must not recompile (batch axis dynamic).
+
+This is the one place megacpp calls ``torch._dynamo.reset()`` (tests/test_compile_source_rules.py):
+resetting drops every compiled graph and clears the compile hooks, so it is done only where the model
+is rebuilt anyway, before each pass.
 """
 from __future__ import annotations
 
@@ -15,14 +19,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 from torch import Tensor, nn
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CallsiteStats, CompileHealth, bounds_for
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
-from megacpp.compile.retry import reset_and_rebuild
-from megacpp.compile.versions import torch_version
+from megacpp.versions import torch_version
 
 InputsFn = Callable[[nn.Module, int], dict[str, Tensor]]
 
@@ -80,10 +84,19 @@ def _step(model: nn.Module, inputs: dict[str, Tensor]) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _reset_and_rebuild(build: Callable[[], nn.Module], health: CompileHealth) -> nn.Module:
+    """Reset Dynamo, re-arm `health` (its hooks were cleared) and return ``build()``. On-disk caches
+    (Inductor FX graph, AOTAutograd) survive, so the warm pass's model compiles warm."""
+    health.refresh()  # reset clears Dynamo's break reasons: take them in first
+    torch._dynamo.reset()
+    health.after_reset()
+    return build()
+
+
 def _measure(factory: Callable[[], nn.Module], cfg: CompileConfig, make_inputs: InputsFn, batch: int,
              device: str) -> _Pass:
     with CompileHealth(bounds_for(cfg)) as health:
-        model = reset_and_rebuild(factory, health).to(device)
+        model = _reset_and_rebuild(factory, health).to(device)
         health.attach(compile_model(model, cfg))
         start = time.perf_counter()
         _step(model, make_inputs(model, batch))

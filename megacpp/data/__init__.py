@@ -2,9 +2,9 @@
 (shards), packed loaders (loader), baselines, and `prepare` that runs them in order.
 
 `from megacpp.data import prepare_data` works as documented, but the names load on first use
-(PEP 562): `megacpp.config` reads `DataConfig` from this package, and corpus discovery applies the
-configuration gate, which builds on `megacpp.config`; importing every submodule here would make
-`import megacpp.config` import itself half-way. Code inside megacpp imports from the submodules.
+(PEP 562): `megacpp.config` reads `DataConfig` from this package, and reading the configuration should
+not load the data path (the tokenizer library, the corpus walk, the loaders). Code inside megacpp
+imports from the submodules.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ _SUBMODULE = {
     **dict.fromkeys(("Baselines",), "baselines"),
     **dict.fromkeys(("DataConfig", "default_cache_dir"), "config"),
     **dict.fromkeys(("Corpus", "CorpusError", "Document", "discover_corpus"), "corpus"),
-    **dict.fromkeys(("Batch", "LoaderStateError", "PackedLoader", "SplitTooSmallError", "ValBatch", "ValLoader",
-                     "bits_per_byte"), "loader"),
+    **dict.fromkeys(("Batch", "LoaderStateError", "PackedLoader", "SplitTooSmallError", "ValBatch", "ValLoader"),
+                    "loader"),
     **dict.fromkeys(("PreparedData", "load_or_train_tokenizer", "prepare_data"), "prepare"),
     **dict.fromkeys(("ShardError", "ShardSet", "ShardSplit", "build_shards", "load_shards"), "shards"),
     **dict.fromkeys(("CodeTokenizer", "train_tokenizer"), "tokenizer"),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, BELOW_1, NON_NEGATIVE, SEED, ConfigSection, Interval, Keys
 
 SOURCE_EXTENSIONS = [
     ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
@@ -25,7 +25,7 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
-class DataConfig(Section):
+class DataConfig(ConfigSection):
     # Directories and/or files; None = the C++ headers shipped inside torch (torch/include); "system" =
     # every C/C++ include tree on the machine (megacpp.data.system_corpus).
     corpus: list[str] | Literal["system"] | None = None
@@ -52,4 +52,43 @@ class DataConfig(Section):
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {
+            "min_bytes": NON_NEGATIVE,
+            "max_bytes": NON_NEGATIVE,
+            "val_fraction": BELOW_1,  # 1 would leave nothing to train on
+            "vocab_size": Interval(MIN_VOCAB_SIZE),  # 256 byte tokens and the special tokens
+            "tokenizer_sample_bytes": AT_LEAST_1,
+            "seq_len": AT_LEAST_1,
+            "baseline_context_bytes": AT_LEAST_1,
+            "shuffle_seed": SEED,  # the loader's generator takes train.seed + shuffle_seed (megacpp.validate)
+        }
+
+    def check(self, k: Keys) -> None:
+        for rule in (_byte_limits, _extensions_dotted, _corpus_names_a_path):
+            rule(self, k)
+
+
+def _byte_limits(cfg: DataConfig, k: Keys) -> None:
+    """A document must be able to pass both size limits."""
+    if cfg.min_bytes > cfg.max_bytes:
+        raise k.error_among(("min_bytes", "max_bytes"), "min_bytes must be <= max_bytes")
+
+
+def _extensions_dotted(cfg: DataConfig, k: Keys) -> None:
+    """Extensions are compared with Path.suffix, which starts with a dot: 'cpp' would match nothing."""
+    for name in ("extensions", "text_extensions", "jsonl_extensions"):
+        bad = [e for e in getattr(cfg, name) if not e.startswith(".")]
+        if bad:
+            raise k.error(name, f"has extensions {bad} without the leading '.'")
+
+
+def _corpus_names_a_path(cfg: DataConfig, k: Keys) -> None:
+    """An empty corpus list would reach the data step and find nothing to train on; unset means the
+    default corpus, so the empty list is never what was meant."""
+    if isinstance(cfg.corpus, list) and not [p for p in cfg.corpus if p.strip()]:
+        raise k.error("corpus", "names no path; expected one or more files or directories, \"system\" "
+                      "(every C/C++ include tree on the machine), or no value for the default corpus")
 

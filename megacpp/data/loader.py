@@ -22,7 +22,6 @@ resumed on another number of ranks with the same global batch reads the same row
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -55,11 +54,6 @@ class ValBatch(NamedTuple):
     targets: torch.Tensor
     doc_ids: torch.Tensor
     target_bytes: torch.Tensor  # (b, t) int32: UTF-8 bytes of each target token (0 for BOS)
-
-
-def bits_per_byte(sum_nats: float, num_bytes: int) -> float:
-    """Summed NLL (nats) over targets with target_bytes > 0, per byte, in bits."""
-    return sum_nats / math.log(2) / num_bytes
 
 
 class _Stream:

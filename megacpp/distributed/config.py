@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megacpp.section import Section
+from megacpp.rules import NON_NEGATIVE, POSITIVE, ConfigSection, Interval
 
 
 @dataclass
-class DistConfig(Section):
+class DistConfig(ConfigSection):
     # How the ranks share the model (megacpp.distributed.strategy): "replicate" keeps the whole model on
     # every rank and reduces gradients once per optimizer step, with the optimizer step sharded by
     # parameter ownership; "fsdp" shards weights, gradients and optimizer state with FSDP2 (gathers
@@ -34,3 +34,8 @@ class DistConfig(Section):
     # Resuming with another global batch (ranks x batch_size) reads a different token stream; refuse
     # unless this is set (the loader then continues from the same number of rows consumed).
     allow_global_batch_change: bool = False
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
+                "fingerprint_every": NON_NEGATIVE}  # 0 = only at checkpoints

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
-from megacpp.compile.versions import supports
-from megacpp.config import ConfigError
 from megacpp.distributed.config import DistConfig
+from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
+from megacpp.versions import supports
 
 # NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
 # torch's `torchfrtrace`; the dump goes into the run directory. Users' own settings win.
@@ -173,7 +173,7 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
 
     Call after `megacpp.compile.prepare_compile` (it sets NCCL's heartbeat for long compiles) and
     before anything else touches the GPU. ``store``: rendezvous on this store instead of torchrun's
-    environment (an auto-fit attempt's own namespace, megacpp.distributed.rendezvous). ``eager_nccl``
+    environment (an auto-fit attempt's own namespace, megacpp.train.autofit.rendezvous). ``eager_nccl``
     False creates the NCCL communicators at the first collective instead of here (an auto-fit retry).
     """
     rank, world, local_rank = torchrun_world()

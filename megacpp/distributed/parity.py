@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megacpp.compile.versions import torch_version
 from megacpp.distributed.context import DistContext, DistError
+from megacpp.distributed.launch_env import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
 from megacpp.optim.local import is_sharded
-from megacpp.train.autofit.attempt import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
+from megacpp.versions import package_version, torch_version
 
 # Environment variables that change what torch compiles or how it computes; per-rank variables
 # (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, ...) and paths are deliberately absent.
@@ -64,8 +64,6 @@ def shared_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def library_versions(device: torch.device) -> dict[str, str]:
-    from megacpp.doctor import package_version
-
     out = {"python": platform.python_version(), "torch": str(torch_version()), "cuda": str(torch.version.cuda),
            **{name: package_version(name) for name in ("triton", "numpy", "tokenizers", "safetensors")}}
     if device.type == "cuda":

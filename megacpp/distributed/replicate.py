@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megacpp.compile.versions import supports
 from megacpp.distributed.context import DistContext
+from megacpp.versions import supports
 
 # DDP's default bucket is 25 MiB; larger buckets mean fewer launches (a `small` step has ~350 M fp32
 # gradients, 1.4 GB) and still leave all but the last bucket overlapped with the backward.

@@ -9,7 +9,7 @@ h // (H / Hkv)).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +19,15 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from megacpp.model.hints import ParamHint
 from megacpp.model.rope import apply_rope, rope_table
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, block_mask, segments_of
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys, check_alone
 
 QkClipMode = Literal["off", "weight", "activation"]
 AttentionBackend = Literal["auto", "sdpa", "flex"]
-QK_CLIP_MODES = get_args(QkClipMode)
-BACKENDS = get_args(AttentionBackend)
 QK_NORM_EPS = 1e-6  # fixed so bf16 inputs do not get finfo(bf16).eps = 7.8e-3 added to mean(x^2)
 
 
 @dataclass
-class AttentionConfig(Section):
+class AttentionConfig(ConfigSection):
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32
@@ -40,6 +38,20 @@ class AttentionConfig(Section):
     qk_clip: QkClipMode = "off"
     qk_clip_tau: float = 100.0
     backend: AttentionBackend = "auto"  # flex applies on CUDA; CPU always uses SDPA
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"n_heads": AT_LEAST_1, "n_kv_heads": AT_LEAST_1, "head_dim": AT_LEAST_1, "rope_theta": POSITIVE,
+                "max_seq_len": AT_LEAST_1, "softcap": NON_NEGATIVE, "qk_clip_tau": POSITIVE}  # softcap 0 = off
+
+    def check(self, k: Keys) -> None:
+        """Grouped-query attention: query head h reads kv head h // (n_heads / n_kv_heads). RoPE rotates
+        pairs of dimensions."""
+        if self.n_heads % self.n_kv_heads:
+            raise k.error_among(("n_heads", "n_kv_heads"),
+                                "n_heads must be a multiple of n_kv_heads (query heads share kv heads in groups)")
+        if self.head_dim % 2:
+            raise k.error("head_dim", "must be even: RoPE rotates pairs of dimensions")
 
 
 def mask_kind(cfg: AttentionConfig, device: torch.device, has_documents: bool) -> MaskKind:
@@ -101,7 +113,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, cfg: AttentionConfig, layer_idx: int) -> None:
         super().__init__()
-        _validate(cfg)
+        check_alone(cfg)
         self.cfg, self.layer_idx, self.d_model = cfg, layer_idx, d_model
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -205,13 +217,3 @@ class Attention(nn.Module):
             q = q * self._clip_factor(bound).to(q.dtype)
         return q
 
-
-def _validate(cfg: AttentionConfig) -> None:
-    if cfg.n_heads % cfg.n_kv_heads:
-        raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
-    if cfg.head_dim % 2:
-        raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
-    if cfg.qk_clip not in QK_CLIP_MODES:
-        raise ValueError(f"qk_clip={cfg.qk_clip!r} not in {QK_CLIP_MODES}")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"backend={cfg.backend!r} not in {BACKENDS}")

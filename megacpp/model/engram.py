@@ -6,6 +6,7 @@ the data and the modules compile with fullgraph=True.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -14,14 +15,14 @@ from torch import Tensor, nn
 
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, ConfigSection, Interval, Keys, check_alone
 
 WINDOWS = (2, 3, 4)  # Engram averages the current token with the previous 1, 2 and 3
 _GOLDEN = 0x9E3779B1  # odd 32-bit golden-ratio constant; the seed of the fixed hash multipliers
 
 
 @dataclass
-class EngramConfig(Section):
+class EngramConfig(ConfigSection):
     layers: list[int] = field(default_factory=list)  # block indices that get an Engram branch
     dim: int = 64
     gate: bool = False
@@ -30,6 +31,18 @@ class EngramConfig(Section):
     ngram_heads: int = 2
     ngram_table_size: int = 0  # 0 = next prime >= 2 * vocab; else rounded up to a prime
     ngram_dim: int = 64  # width of the hash-table embeddings before the projection to d_model
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"dim": AT_LEAST_1, "ngram_heads": AT_LEAST_1,
+                "ngram_table_size": NON_NEGATIVE,  # 0 = next prime >= 2 * vocab
+                "ngram_dim": AT_LEAST_1}
+
+    def check(self, k: Keys) -> None:
+        """The n-gram hash embeds n-grams of order >= 2 (order 1 is the token embedding itself). Which
+        blocks get a branch is a rule of the model's (ModelConfig.check): it needs the depth."""
+        if self.ngram_hash and (not self.ngram_orders or min(self.ngram_orders) < 2):
+            raise k.error("ngram_orders", "needs one or more orders, each >= 2 (1 is the token embedding)")
 
 
 def _shift(x: Tensor, lag: int, fill: float | int) -> Tensor:
@@ -62,6 +75,7 @@ class Engram(nn.Module):
 
     def __init__(self, d_model: int, cfg: EngramConfig, layer_idx: int) -> None:
         super().__init__()
+        check_alone(cfg)
         self.cfg, self.layer_idx, self.d_model = cfg, layer_idx, d_model
         self.down = nn.Linear(d_model, cfg.dim, bias=False)
         self.mix = nn.Parameter(torch.empty(len(WINDOWS), cfg.dim))
@@ -133,8 +147,7 @@ class NgramHashEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, cfg: EngramConfig) -> None:
         super().__init__()
-        if not cfg.ngram_orders or min(cfg.ngram_orders) < 2:
-            raise ValueError(f"ngram_orders={cfg.ngram_orders}: need one or more, each >= 2 (1 is tok_embed)")
+        check_alone(dataclasses.replace(cfg, ngram_hash=True))  # this module is the hash, whatever the flag says
         if vocab_size + 1 >= 2**31:
             raise ValueError(f"vocab_size={vocab_size} too large for the overflow-free int64 hash")
         self.cfg, self.vocab_size, self.d_model = cfg, vocab_size, d_model

@@ -2,23 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, ConfigSection, Interval, check_alone
 
 Activation = Literal["relu2", "swiglu"]
-ACTIVATIONS = get_args(Activation)
 
 
 @dataclass
-class FFNConfig(Section):
+class FFNConfig(ConfigSection):
     hidden: int = 512
     activation: Activation = "relu2"
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"hidden": AT_LEAST_1}
 
 
 class FFN(nn.Module):
@@ -27,8 +30,7 @@ class FFN(nn.Module):
 
     def __init__(self, d_model: int, cfg: FFNConfig, layer_idx: int) -> None:
         super().__init__()
-        if cfg.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={cfg.activation!r} not in {ACTIVATIONS}")
+        check_alone(cfg, d_model=d_model)
         self.cfg, self.layer_idx, self.d_model = cfg, layer_idx, d_model
         self.up = nn.Linear(d_model, cfg.hidden, bias=False)
         self.gate = nn.Linear(d_model, cfg.hidden, bias=False) if cfg.activation == "swiglu" else None

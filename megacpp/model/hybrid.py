@@ -21,6 +21,7 @@ from megacpp.model.pattern import expand_pattern
 from megacpp.model.registry import BLOCK_KINDS
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, segments_of
 from megacpp.ops.softcap_xent import linear_softcap_cross_entropy, softcap
+from megacpp.rules import check_alone
 
 IGNORE_INDEX = -1
 
@@ -78,6 +79,7 @@ class HybridLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        check_alone(cfg)  # the rules the gate holds a whole config to, for a ModelConfig built in Python
         self.cfg = cfg
         self.layout = expand_pattern(cfg.pattern, cfg.depth)
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -17,11 +17,11 @@ from torch import Tensor, nn
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys, check_alone, check_ordered
 
 
 @dataclass
-class M2RNNConfig(Section):
+class M2RNNConfig(ConfigSection):
     n_heads: int = 4
     key_dim: int = 32
     value_dim: int = 32
@@ -34,12 +34,28 @@ class M2RNNConfig(Section):
     # each step's Jacobian has norm <= f * sigma_max(W) with f <= 1 and tanh' <= 1. 0 = off.
     w_spectral_cap: float = 0.0
 
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {
+            "n_heads": AT_LEAST_1, "key_dim": AT_LEAST_1, "value_dim": AT_LEAST_1,
+            "dt_min": POSITIVE, "dt_max": POSITIVE,  # log-uniform init
+            "A_init_min": POSITIVE, "A_init_max": POSITIVE,  # stored as log(A)
+            "w_spectral_cap": NON_NEGATIVE,  # 0 = off
+        }
+
+    def check(self, k: Keys) -> None:
+        """As for Mamba-3, dt starts log-uniform in [dt_min, dt_max]; the decay rate A starts uniform in
+        [A_init_min, A_init_max]. torch refuses either range reversed."""
+        check_ordered(k, "dt_min", "dt_max")
+        check_ordered(k, "A_init_min", "A_init_max")
+
 
 class M2RNN(nn.Module):
     """M2RNN mixer (pattern symbol R)."""
 
     def __init__(self, d_model: int, cfg: M2RNNConfig, layer_idx: int) -> None:
         super().__init__()
+        check_alone(cfg, d_model=d_model)
         self.d_model = d_model
         self.cfg = cfg
         self.layer_idx = layer_idx

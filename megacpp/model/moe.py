@@ -22,28 +22,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacpp.compile.versions import supports
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys, check_alone
+from megacpp.versions import supports
 
 Routing = Literal["token_choice", "expert_choice"]
-ROUTINGS = get_args(Routing)
 Dispatch = Literal["auto", "padded", "grouped"]
-DISPATCHES = get_args(Dispatch)
 # grouped_mm wants 16-byte-aligned leading strides: rows of d_model and expert_hidden elements must be
 # a multiple of 16 bytes for every operand dtype it takes (bf16/fp16: 8 elements, fp32: 4).
 GROUPED_ALIGNMENT = 8
 
 
 @dataclass
-class MoEConfig(Section):
+class MoEConfig(ConfigSection):
     n_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 128
@@ -54,6 +52,21 @@ class MoEConfig(Section):
     # Token choice only. padded: static per-sequence capacity, overflow dropped (the reference, the CPU
     # path); grouped: dropless grouped GEMMs; auto: grouped on CUDA under bf16 autocast, padded otherwise.
     dispatch: Dispatch = "auto"
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {"n_experts": AT_LEAST_1, "top_k": AT_LEAST_1, "expert_hidden": AT_LEAST_1,
+                "capacity_factor": POSITIVE, "bias_update_rate": NON_NEGATIVE}
+
+    def check(self, k: Keys) -> None:
+        """Each token picks top_k distinct experts. dispatch = "grouped" forces the dropless grouped GEMMs:
+        token-choice routing, a torch with grouped_mm and 16-byte-aligned rows, or the model cannot be built
+        ("auto" falls back instead)."""
+        if self.top_k > self.n_experts:
+            raise k.error_among(("top_k", "n_experts"), "top_k must be <= n_experts: each token picks distinct experts")
+        problem = grouped_dispatch_problem(k.value("d_model"), self)
+        if self.dispatch == "grouped" and problem:
+            raise k.error_among(("dispatch", "routing", "d_model", "expert_hidden"), problem)
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -75,7 +88,7 @@ def token_choice_route(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor
     expert) and each picked score is a masked sum over the expert axis, where it is the only non-zero
     term, so exact. Compiled, selection, weights and their backward fuse into the kernels around them:
     torch.topk and the gather's scatter-add backward were four library kernels of their own, and
-    topk alone ~75 µs a call at `small` (BENCHMARKS.md, issue 12)."""
+    topk alone ~75 µs a call at `small` (docs/benchmarks_archive.md, issue 12)."""
     experts = torch.arange(scores.shape[-1], device=scores.device)
     candidates = scores + bias
     picks, picked = [], []
@@ -166,7 +179,7 @@ def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor
     batch rows, plus its rank among that expert's rows in its own: a running count along m per (batch
     row, expert), which Inductor fuses with the one-hot, where a radix sort over the int64 ids is a
     chain of library kernels, each a launch the host pays for (E is host-bound on slower hosts;
-    BENCHMARKS.md, issue 12). The count runs along m, not along all b*m rows: one scan per (row,
+    docs/benchmarks_archive.md, issue 12). The count runs along m, not along all b*m rows: one scan per (row,
     expert), in parallel (3.5 µs at `small` on an H200, where one scan over all rows took 88.5)."""
     b, m = routed.shape
     experts = torch.arange(n_experts, device=routed.device)
@@ -243,16 +256,8 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, cfg: MoEConfig, layer_idx: int) -> None:
         super().__init__()
-        if cfg.routing not in ROUTINGS:
-            raise ValueError(f"MoEConfig.routing must be one of {ROUTINGS}, got {cfg.routing!r}")
-        if not 1 <= cfg.top_k <= cfg.n_experts:
-            raise ValueError(f"MoEConfig.top_k={cfg.top_k} must be in [1, n_experts={cfg.n_experts}]")
-        if cfg.dispatch not in DISPATCHES:
-            raise ValueError(f"MoEConfig.dispatch must be one of {DISPATCHES}, got {cfg.dispatch!r}")
-        problem = grouped_dispatch_problem(d_model, cfg)
-        if cfg.dispatch == "grouped" and problem:
-            raise ValueError(f"MoEConfig.dispatch='grouped' is not possible: {problem}")
-        self.grouped_possible = not problem
+        check_alone(cfg, d_model=d_model)
+        self.grouped_possible = not grouped_dispatch_problem(d_model, cfg)
         self.d_model = d_model
         self.cfg = cfg
         self.layer_idx = layer_idx

@@ -5,14 +5,18 @@ symbols, giving 13 A, 13 M, 22 E and 4 R sublayers.
 """
 from __future__ import annotations
 
-from collections import Counter
-
-from megacpp.errors import MegacppError
+from megacpp.errors import ConfigError, MegacppError
 from megacpp.model.registry import BLOCK_KINDS
 
 
 class PatternError(MegacppError, ValueError):
     """A pattern string or depth that cannot describe a model."""
+
+
+class PatternConfigError(ConfigError, PatternError):
+    """A model.pattern or model.depth problem found by the model's rules (`ModelConfig.check`): a
+    configuration error (the CLI's exit status 2, like every other) that code expecting a PatternError
+    still catches as one."""
 
 
 def _allowed() -> str:
@@ -46,8 +50,3 @@ def expand_pattern(pattern: str, depth: int) -> str:
     repeats, rest = divmod(depth, len(pattern))
     return pattern * repeats + pattern[:rest]
 
-
-def count_kinds(layout: str) -> dict[str, int]:
-    """Number of sublayers of each kind, in the canonical symbol order, zero counts included."""
-    counts = Counter(layout)
-    return {kind: counts.get(kind, 0) for kind in BLOCK_KINDS}

@@ -1,9 +1,18 @@
 """The block kinds: one table read by the pattern parser, the model, the parameter table and the tests.
 
-A new kind is its mixer module plus one entry here. A mixer is built as ``cls(d_model, sub_config,
-layer_idx)`` and called as ``mixer(x, segments)``: x (b, t, d), and the batch's `Segments`
-(megacpp.model.segments), the document structure the model computes once per forward (the default,
-``WHOLE_ROWS``, makes each row one document); decoding uses ``init_cache`` and ``forward_step``.
+A new kind is its module, one entry here and one `ModelConfig` field (docs/architecture.md, "Adding a
+block kind"). The module holds the mixer and its config section: a dataclass deriving from
+`megacpp.rules.ConfigSection`, whose ``ranges()`` and ``check(keys)`` (with the model's ``d_model``) both
+the mixer's constructor (`megacpp.rules.check_alone`) and the configuration gate run, the gate only
+when the pattern uses the kind; the entry's ``config_field`` names the ModelConfig field holding it.
+
+A mixer is built as ``cls(d_model, sub_config, layer_idx)`` and called as ``mixer(x, segments)``: x
+(b, t, d), and the batch's `Segments` (megacpp.model.segments), the document structure the model
+computes once per forward (the default, ``WHOLE_ROWS``, makes each row one document); decoding uses
+``init_cache(batch_size, max_len, device, dtype)``, which returns the layer's cache as a dict of
+tensors, and ``forward_step(x, cache)``; ``reset_parameters()`` initialises the weights again (the model
+calls it after a build on the meta device).
+
 What only some kinds need is an optional hook the code asks for by name, never an ``isinstance``:
 
 - ``attention_mask_kind(device, has_documents) -> MaskKind``: the attention mask the mixer reads from
@@ -13,8 +22,8 @@ What only some kinds need is an optional hook the code asks for by name, never a
 - ``param_hints`` (optimizer routing), ``reduced_buffers`` (statistics summed across ranks) and
   ``after_optimizer_step`` (post-step work): see `megacpp.model.hints`.
 
-Mixer classes are named by import path and loaded on first use, so the pattern parser (and the config
-gate that uses it) imports no model code.
+Mixer classes are named by import path and loaded on first use, so the pattern parser imports no model
+code.
 """
 from __future__ import annotations
 

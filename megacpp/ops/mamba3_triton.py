@@ -24,17 +24,16 @@ segment, else exactly 0 (masked to -inf before exp2, so nothing overflows and no
 The chains of states over chunks (v <- qL v + what the chunk adds) are one program per (block of state
 columns, batch row, head) walking the chunks in order, the carry in fp32 registers; what a chunk adds is
 a product that does not depend on the carry, so only a multiply-add is on the chain and the pipelined
-loads of the next chunks overlap it. Every other kernel is chunk-parallel. Kernels that put the whole
-output on the chain took the forward 2.93 ms at `small`'s sizes on an H200 with bf16 operands; the
-products chunk-parallel with an elementwise chain over fp32 slots 1.10 ms; the chains with their
-products, which never store the slots, 0.80 (BENCHMARKS.md).
+loads of the next chunks overlap it. Every other kernel is chunk-parallel. The forward takes 0.80 ms at
+`small`'s sizes on an H200 with bf16 operands, against 1.10 with the products stored in fp32 slots for an
+elementwise chain and 2.93 with the whole output on the chain (docs/benchmarks_archive.md).
 The state dimension is walked in blocks of 2 KB columns (`Tiling`), or spread over the grid where
 columns are independent. Blocks past the n_angles rotated pairs skip the angles and the rotation: a
 compile-time specialization of the programs of the forward chain and the dB/dC kernel, a loop of their
 own in the output kernel (the register-capped chunk backward rotates them at zero angles). Software
 pipelining in the chains and in the dB/dC kernel's loop over a group's heads, with 16-bit operands;
 register caps (Triton's maxnreg) on the output and chunk-backward kernels, with 16-bit operands, where
-more programs per SM paid for a few spills (`tilings`). `benchmarks/check_mamba3_resources.py` compiles
+more programs per SM paid for a few spills (`tilings`). `benchmarks/tools/check_mamba3_resources.py` compiles
 every kernel for sm_90 and reports its budget.
 
 Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chunk boundary):
@@ -471,8 +470,8 @@ def _bwd_chunk_kernel(
     contractions (C Bᵀ, B Gᵀ); dy is the state backward's. dL/d(C Bᵀ) = W ⊙ dP is stored for
     `_bwd_bc_kernel`, which writes dB, dC and dΘ. This kernel is register-bound, so everything that needs
     the entering state S or the gate's inputs is computed elsewhere: with bf16 operands at `small` on an
-    H200 it went from 1.84 ms (recomputing y, the readout S C_t and Σ G ⊙ S here, 8 warps) to 1.27 (4
-    warps), then 0.99 without the gate's terms (0.92 at 8 warps capped at 128 registers)."""
+    H200 it takes 0.92 ms (8 warps capped at 128 registers), where recomputing y, the readout S C_t and
+    Σ G ⊙ S here took 1.84 (docs/benchmarks_archive.md)."""
     c, hd, bi, gp, rows, rows_p, pmask, t, valid, tok = _chunk_program(T, H, REP, P, L, PB, 0)
     bh = bi * H + hd
     vmask_p = valid[:, None] & pmask[None, :]
@@ -553,7 +552,7 @@ def _bwd_bc_kernel(
     dC = dL/d(C Bᵀ) B + diag(q) dy S, dB = dL/d(C Bᵀ)ᵀ C + diag(eσ) x G (rotated; then unrotated).
     Columns are independent here, so the state dimension is spread over the grid. Summing the heads
     here rather than after the launch saves writing and reading back per-head fp32 gradients of B and C
-    (2 x 400 MB per `small` M layer): the backward's kernels went from 4.62 to 4.30 ms on an H200."""
+    (2 x 400 MB per `small` M layer): the backward's kernels take 4.30 ms against 4.62 on an H200."""
     k0 = tl.program_id(0) * 2 * KB
     # Columns past the rotated pairs do not rotate: their programs skip the angles, the rotations and the
     # angle gradients (half of the programs at `small`, where 32 of 64 pairs rotate: 1.24 -> 1.07 ms on an
@@ -656,12 +655,11 @@ def _pow2(size: int, least: int) -> int:
 @functools.cache
 def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dtype) -> Mapping[str, Tiling]:
     """The tiling of each kernel at these sizes: every program takes all of head_dim. Picked by timing
-    the compiled M mixer on an H200 at `small`'s sizes with bf16 operands (BENCHMARKS.md, 2026-11-24
-    and -25), and checked with benchmarks/check_mamba3_resources.py for sm_90 (shared memory under the
-    limit). Cached, hence read-only: the ops run it at every call, on the
+    the compiled M mixer on an H200 at `small`'s sizes with bf16 operands (the sweeps:
+    docs/benchmarks_archive.md), and checked with benchmarks/tools/check_mamba3_resources.py for sm_90
+    (shared memory under the limit). Cached, hence read-only: the ops run it at every call, on the
     host's critical path. What decided each (kernel ms):
-    - state columns per block: the chunk backward 4.78 against 5.01 for 64 instead of 32 (an earlier
-      layout); the dB/dC kernel 1.23 against 1.37 (32 columns) and 1.83 (16).
+    - state columns per block: 64; the dB/dC kernel 1.23 against 1.37 (32 columns) and 1.83 (16).
     - the output kernel: 8 warps, 0.62 against 0.82 at 4; capped at 80 registers with 16-bit operands
       (3 programs per SM instead of 2; 40 bytes of spills), 0.50 against 0.65.
     - the dB/dC kernel, which walks a group's heads: 4 warps, 1.65 against 1.72 at 8 with bf16
@@ -671,16 +669,14 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
     - the chunk backward, 16-bit operands, chunks of 64: 8 warps capped at 128 registers (two programs
       per SM, each with twice the warps), 0.91–0.93 against 0.99 at 4 warps uncapped; 4 warps capped
       at 168 or 200: 2.47, 1.20. Other sizes keep 4 warps (8 with fp32 operands and chunks over 32).
-    - the chains with their products (2026-11-25, the kernels alone at the mixer's input layout; ms of
-      the whole forward / backward): the forward's 64 columns per program, 8 warps, three stages,
-      0.83 (32 columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02). The backward's
-      chain, in the mixer, with the gate's gradients in a kernel of their own: 64 columns, 4 warps,
-      three stages, 0.59–0.60 ms (two stages 0.62; 8 warps 0.66; 128 columns at 8 warps 0.62; 32
-      columns 0.60–0.66). While it computed the gate's gradients itself, each column block did that
-      again and all 128 columns in one program were fastest (the whole backward alone 3.02 ms; 64
-      columns 3.43). Splitting head_dim over programs instead was slower in both directions
-      (0.86–1.55, 3.30–4.38). fp32 operands, not timed, take 32 columns and 4 warps forward, 8
-      backward (no spills at `small` and `nam52`)."""
+    - the chains with their products (the kernels alone at the mixer's input layout; ms of the whole
+      forward / backward): the forward's 64 columns per program, 8 warps, three stages, 0.83 (32
+      columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02). The backward's chain, in
+      the mixer, with the gate's gradients in a kernel of their own: 64 columns, 4 warps, three stages,
+      0.59–0.60 ms (two stages 0.62; 8 warps 0.66; 128 columns at 8 warps 0.62; 32 columns 0.60–0.66).
+      Splitting head_dim over programs instead was slower in both directions (0.86–1.55, 3.30–4.38).
+      fp32 operands, not timed, take 32 columns and 4 warps forward, 8 backward (no spills at `small`
+      and `nam52`)."""
     block_p = _pow2(head_dim, 16)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     mid = min(_pow2(d_state // 2, 8), 32)
@@ -758,7 +754,7 @@ def fused_fwd(
     """Gated output (b, t, h, p) in x's dtype, final state (b, h, p, n) in fp32, every chunk's entering
     state (b, h, chunks, p, n) in matmul_dtype and the output before the gate (x's dtype, for the
     backward). Contract: `megacpp::mamba3_fused_fwd` (mamba3_fused.py). `launch` runs the kernel launch
-    (benchmarks/check_mamba3_resources.py passes one that only records it)."""
+    (benchmarks/tools/check_mamba3_resources.py passes one that only records it)."""
     b, t, h, p, g, n, na, nc = _sizes(x, B, theta, chunk_size)
     x, z, B, C = (_rows_unit_stride(v) for v in (x, z, B, C))
     B_bias, C_bias, theta, log_decay, sigma, gamma, D = (

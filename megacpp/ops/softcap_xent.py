@@ -15,7 +15,7 @@ as F.linear would), targets (n,) integer; the loss is the mean, over the rows wh
   backward is two GEMMs on that gradient, with the upstream gradient and 1 / n_valid applied to their
   small (n, d) and (V, d) results, not to the (n, V) gradient. Compiled, the loss takes Inductor's
   forward reduction and its backward's pass over the logits (2.0-2.1 ms each at `small`'s head on an
-  H200, BENCHMARKS.md) down to one kernel of ~2.4 ms, and holds one (n, V) buffer as before.
+  H200, docs/benchmarks_archive.md) down to one kernel of ~2.4 ms, and holds one (n, V) buffer as before.
 
 `kernel` picks the implementation: "auto" (fused for CUDA tensors it supports, else the reference),
 "reference", or "triton" (an error where the kernel cannot serve the call). On CPU, "triton" runs only

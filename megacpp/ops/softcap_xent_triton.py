@@ -13,7 +13,7 @@ sum is one program's fixed-order reduction: no atomics, run-to-run identical.
 At `small`'s head (32,768 rows of 32,768 bf16 logits) on an H200 the kernel takes 2.3-2.4 ms, where
 Inductor's compiled loss ran two reductions over the logits (2.0-2.1 ms each, libdevice tanh). It is
 bound by the special-function unit (two exp2 and one reciprocal per logit and walk), not by memory
-(BENCHMARKS.md).
+(docs/benchmarks_archive.md, 2026-11-25).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 # Logits per block of a row's walk, and warps per program: at `small`'s head on an H200, 2048 / 8 took
-# 2.37 ms, 4096 / 16 2.35, 1024 / 4 2.38, 4096 / 8 2.61, 8192 / 8 2.93 (BENCHMARKS.md).
+# 2.37 ms, 4096 / 16 2.35, 1024 / 4 2.38, 4096 / 8 2.61, 8192 / 8 2.93 (docs/benchmarks_archive.md).
 BLOCK = 2048
 NUM_WARPS = 8
 

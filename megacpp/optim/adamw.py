@@ -19,6 +19,7 @@ from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import local_tensor
 from megacpp.optim.route import Route
 from megacpp.optim.spec import OptimizerSpec
+from megacpp.rules import BELOW_1, NON_NEGATIVE, POSITIVE
 
 
 def adamw_update(
@@ -124,4 +125,7 @@ def _adamw_state_bytes(route: Route, cfg: OptimConfig) -> int:
     return 2 * route.param.numel() * route.param.element_size() + 4
 
 
-ADAMW_SPEC = OptimizerSpec(AdamW, _adamw_settings, _adamw_group_settings, _adamw_state_bytes)
+ADAMW_SPEC = OptimizerSpec(AdamW, _adamw_settings, _adamw_group_settings, _adamw_state_bytes, ranges={
+    "adamw_lr": NON_NEGATIVE, "embed_lr": NON_NEGATIVE, "head_lr": NON_NEGATIVE,
+    "adamw_beta1": BELOW_1, "adamw_beta2": BELOW_1, "adamw_eps": POSITIVE, "adamw_weight_decay": NON_NEGATIVE,
+})

@@ -1,11 +1,16 @@
-"""Optimizer configuration: every knob of the Muon + AdamW stack, its schedule and MuonClip."""
+"""Optimizer configuration: every knob of the Muon + AdamW stack, its schedule and MuonClip.
+
+The ranges of an optimizer's own knobs belong to that optimizer (its `OptimizerSpec.ranges`, beside its
+class); this section holds those of what every optimizer shares: the schedule, the gradient clip and the
+learning-rate factors per block kind."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from megacpp.compile.config import CompileBackend
-from megacpp.section import Section
+from megacpp.optim.kind_scales import parse_lr_scales
+from megacpp.rules import NON_NEGATIVE, UNIT, ConfigSection, Interval, Keys
 
 LRScaling = Literal["original", "match_rms_adamw"]
 CoefficientSet = Literal["polar_express", "quintic"]
@@ -16,7 +21,7 @@ DECAY_SHAPES = get_args(DecayShape)
 
 
 @dataclass
-class OptimConfig(Section):
+class OptimConfig(ConfigSection):
     # Muon (hidden matrices). use_muon=False sends them to AdamW ("adamw:hidden", lr adamw_lr).
     use_muon: bool = True
     # muon_lr is the base lr of "original"-scaled matrices; "match_rms_adamw"-scaled ones use
@@ -64,3 +69,22 @@ class OptimConfig(Section):
     compile_step: bool | Literal["auto"] = "auto"
     compile_backend: CompileBackend = "inductor"
     grad_clip_norm: float = 1.0  # 0 = off
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {
+            "warmup_frac": UNIT,
+            "warmup_steps": NON_NEGATIVE,
+            "decay_frac": UNIT,
+            "decay_steps": NON_NEGATIVE,
+            "final_lr_frac": UNIT,
+            "grad_clip_norm": NON_NEGATIVE,  # 0 = off
+        }
+
+    def check(self, k: Keys) -> None:
+        """Each lr_scale_by_kind entry is <kind>=<factor>: a block letter and a finite factor >= 0, each kind
+        once. The optimizer's own parser decides, so the gate and the optimizer cannot disagree."""
+        try:
+            parse_lr_scales(self.lr_scale_by_kind)
+        except ValueError as exc:
+            raise k.error("lr_scale_by_kind", f"is not a list of <kind>=<factor> entries: {exc}") from None

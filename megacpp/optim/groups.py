@@ -1,11 +1,13 @@
 """Parameter routing (docs/architecture.md, "Parameter hints read by the optimizer") and the routing table.
 
-Rules, first match wins (hints are the modules' ``param_hints``, collected by name before any wrapping):
+The default routes are a table, `DEFAULT_ROUTES`, first match wins (hints are the modules'
+``param_hints``, collected by name before any wrapping):
   0. hint optimizer naming another registered optimizer (megacpp.optim.registry) -> "<name>:hinted"
-  1. hint optimizer "muon" -> Muon (must be ndim >= 2); "adamw" -> AdamW
-  2. under `tok_embed` / `ngram_embed` -> AdamW "embed"; under `lm_head` / `mtp` -> AdamW "head"
-  3. ndim < 2 -> AdamW "other"
-  4. ndim >= 2 under `blocks.<i>.mixer` or `blocks.<i>.engram` -> Muon
+  1. hint optimizer "muon" (must be ndim >= 2), or unhinted ndim >= 2 under `blocks.<i>.mixer` or
+     `blocks.<i>.engram` -> Muon, "muon:<lr scaling>" ("adamw:hidden" with use_muon off)
+  2. under `tok_embed` / `ngram_embed` -> AdamW "embed"
+  3. under `lm_head` / `mtp` -> AdamW "head"
+  4. hint optimizer "adamw", or ndim < 2 -> AdamW "other"
   5. anything else -> error naming the parameter
 Muon groups are split by lr scaling mode (hint lr_scaling, else expert_lr_scaling for stacked
 (E, A, B) weights, else muon_lr_scaling) because each mode has its own base lr.
@@ -19,7 +21,8 @@ today's groups, so the default groups, numerics and checkpoints do not change.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -36,31 +39,58 @@ _EMBED = ("tok_embed", "ngram_embed")
 _HEAD = ("lm_head", "mtp")
 
 
+@dataclass(frozen=True)
+class DefaultRoute:
+    """A row of the default routing: the parameters ``matches(name, param, hint)`` takes go to ``group``,
+    a group name, or a function of (name, param, hint, cfg) giving one."""
+
+    matches: Callable[[str, nn.Parameter, ParamHint], bool]
+    group: str | Callable[[str, nn.Parameter, ParamHint, OptimConfig], str]
+
+
+def _is_hidden_matrix(name: str, param: nn.Parameter, hint: ParamHint) -> bool:
+    """Hinted "muon", or unhinted, >= 2-D and under a block's mixer or Engram branch."""
+    hidden = hint.optimizer is None and param.ndim >= 2 and _HIDDEN.match(name) is not None
+    return hint.optimizer == "muon" or hidden
+
+
+def _muon_group(name: str, param: nn.Parameter, hint: ParamHint, cfg: OptimConfig) -> str:
+    """Muon's group is its lr scaling mode (hint, else expert_lr_scaling for stacked (E, A, B) weights, else
+    muon_lr_scaling): each mode has its own base lr. use_muon=False sends hidden matrices to AdamW."""
+    if not cfg.use_muon:
+        return "adamw:hidden"
+    mode = hint.lr_scaling or (cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling)
+    if mode not in LR_SCALINGS:
+        raise ValueError(f"parameter {name!r}: lr_scaling={mode!r}, expected one of {LR_SCALINGS}")
+    return f"muon:{mode}"
+
+
+def _top(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+# First match wins (the module docstring numbers the rows).
+DEFAULT_ROUTES: tuple[DefaultRoute, ...] = (
+    DefaultRoute(lambda name, param, hint: hint.optimizer not in (None, "muon", "adamw"),
+                 lambda name, param, hint, cfg: f"{hint.optimizer}:hinted"),
+    DefaultRoute(_is_hidden_matrix, _muon_group),
+    DefaultRoute(lambda name, param, hint: _top(name) in _EMBED, "adamw:embed"),
+    DefaultRoute(lambda name, param, hint: _top(name) in _HEAD, "adamw:head"),
+    DefaultRoute(lambda name, param, hint: hint.optimizer == "adamw" or param.ndim < 2, "adamw:other"),
+)
+
+
 def route_parameter(name: str, param: nn.Parameter, cfg: OptimConfig, hint: ParamHint = NO_HINT) -> str:
-    """The group of one parameter; raises ValueError naming it when no rule fits."""
+    """The group of one parameter: the first of `DEFAULT_ROUTES` that matches it. ValueError naming the
+    parameter for a hint no optimizer can follow, or when no route matches."""
     if hint.optimizer is not None and hint.optimizer not in OPTIMIZERS:
         raise ValueError(f"parameter {name!r}: hint optimizer={hint.optimizer!r}, expected one of the registered "
                          f"optimizers {tuple(OPTIMIZERS)}")
-    if hint.optimizer not in (None, "muon", "adamw"):  # the default rules know only these two
-        return f"{hint.optimizer}:hinted"
-    top = name.split(".", 1)[0]
-    hidden = param.ndim >= 2 and _HIDDEN.match(name) is not None
     if hint.optimizer == "muon" and param.ndim < 2:
         raise ValueError(f"parameter {name!r} is hinted optimizer='muon' but is {param.ndim}-D")
-    if hint.optimizer == "muon" or (hint.optimizer is None and hidden):
-        if not cfg.use_muon:
-            return "adamw:hidden"
-        default = cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling
-        mode = hint.lr_scaling or default
-        if mode not in LR_SCALINGS:
-            raise ValueError(f"parameter {name!r}: lr_scaling={mode!r}, expected one of {LR_SCALINGS}")
-        return f"muon:{mode}"
-    if top in _EMBED:
-        return "adamw:embed"
-    if top in _HEAD:
-        return "adamw:head"
-    if hint.optimizer == "adamw" or param.ndim < 2:
-        return "adamw:other"
+    for route in DEFAULT_ROUTES:
+        if route.matches(name, param, hint):
+            return route.group if isinstance(route.group, str) else route.group(name, param, hint, cfg)
     raise ValueError(
         f"parameter {name!r} (shape {tuple(param.shape)}) fits no routing rule: a >= 2-D parameter outside "
         "blocks.<i>.mixer / blocks.<i>.engram / tok_embed / ngram_embed / lm_head / mtp needs a "

@@ -51,14 +51,6 @@ class TensorHParamOptimizer(Optimizer):
         `OptimizerStack.moments()` checkpoints and restores these tensors in place, by their keys."""
         raise NotImplementedError(f"{type(self).__name__} must define init_state to join an OptimizerStack")
 
-    def set_hparam(self, key: str, value: float, group_index: int | None = None) -> None:
-        """Write `value` into the 0-D tensor `key` of one group (or of every group), in place."""
-        if key not in self.TENSOR_HPARAMS:
-            raise KeyError(f"{key!r} is not a tensor hyperparameter of {type(self).__name__}")
-        groups = self.param_groups if group_index is None else [self.param_groups[group_index]]
-        for group in groups:
-            group[key].fill_(value)
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch's loader replaces each group dict; copy the loaded values into the existing tensors
         # so that their identity and device survive (the schedule and a compiled step hold them).

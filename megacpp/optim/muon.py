@@ -37,6 +37,7 @@ from megacpp.optim.orthogonalize import (
 )
 from megacpp.optim.route import Route
 from megacpp.optim.spec import OptimizerSpec
+from megacpp.rules import AT_LEAST_1, BELOW_1, NON_NEGATIVE
 
 
 def lr_ratio(shape: Sequence[int], mode: str) -> float:
@@ -375,7 +376,10 @@ def _muon_state_bytes(route: Route, cfg: OptimConfig) -> int:
     return momentum + factored
 
 
-MUON_SPEC = OptimizerSpec(Muon, _muon_settings, _muon_group_settings, _muon_state_bytes)
+MUON_SPEC = OptimizerSpec(Muon, _muon_settings, _muon_group_settings, _muon_state_bytes, ranges={
+    "muon_lr": NON_NEGATIVE, "muon_rms_lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+    "muon_momentum": BELOW_1, "variance_beta2": BELOW_1, "ns_steps": AT_LEAST_1,
+})
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

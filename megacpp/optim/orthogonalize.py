@@ -74,7 +74,7 @@ def orthogonalize(
     as `baddbmm`s, each sum rounded once in the product's epilogue (the CPU path, whose numerics the
     tests pin). True: X <- (a I + b A + c A^2) X, the polynomial summed in fp32 in one elementwise pass.
     cuBLAS's baddbmm first copies its addend into a fresh output buffer: on `small` those were 159
-    copies and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (BENCHMARKS.md); the
+    copies and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (docs/benchmarks_archive.md); the
     folded form has none. Both land equally close to U V^T (the tests compare them). None (default):
     folded on CUDA under torch.compile, where the polynomial is one fused pass; eager, its separate
     fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager and

@@ -6,9 +6,10 @@ changes the checkpoint format; adding one does not. The order is the order the s
 and lists them in its ``state_dict()["parts"]``.
 
 A new optimizer is its own module (a `TensorHParamOptimizer` subclass with ``init_state``, and its
-`OptimizerSpec`) plus one line here. Parameters reach it through their modules' hints,
-``ParamHint(optimizer="<name>")`` (megacpp.optim.groups); Muon and AdamW also take the parameters the
-default routing rules send them.
+`OptimizerSpec`, whose ``ranges`` the configuration gate holds its settings to) plus one line here; a
+knob of its own is an OptimConfig field its spec ranges (docs/architecture.md, "Adding an optimizer").
+Parameters reach it through their modules' hints, ``ParamHint(optimizer="<name>")``; Muon and AdamW also
+take the parameters the default routes send them (megacpp.optim.groups.DEFAULT_ROUTES).
 """
 from __future__ import annotations
 

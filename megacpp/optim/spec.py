@@ -4,13 +4,14 @@ Each optimizer module defines its spec beside its class; `megacpp.optim.registry
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from megacpp.optim.config import OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.route import Route
+from megacpp.rules import Interval
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,12 @@ class OptimizerSpec:
     routes with equal settings share a group, named after the route (``"<name>:<subgroup>"``, plus
     ``"@<kind>"`` for a block kind with an lr factor and ``":no_decay"`` for parameters never decayed).
     ``state_bytes`` is the optimizer state it keeps for one parameter, for the routing table.
+    ``ranges`` are those of the OptimConfig fields that are this optimizer's own settings: the gate
+    (megacpp.validate) holds every config to them, as it does a block's section to its ranges.
     """
 
     optimizer: type[TensorHParamOptimizer]
     settings: Callable[[OptimConfig], dict[str, Any]]
     group_settings: Callable[[Route, OptimConfig], dict[str, Any]]
     state_bytes: Callable[[Route, OptimConfig], int]
+    ranges: Mapping[str, Interval] = field(default_factory=dict)

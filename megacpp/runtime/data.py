@@ -16,7 +16,6 @@ from megacpp.data.shards import ShardSet
 from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.errors import MegacppError, UsageError
 from megacpp.fs import atomic_write_bytes
-from megacpp.validate import validate_section
 
 
 @dataclass
@@ -50,7 +49,6 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
                log: Callable[[str], None] = print, progress: bool = True,
                rank: int = 0, world_size: int = 1) -> DataBundle:
     """Discover, tokenize (cached) and wrap the corpus in loaders for this rank."""
-    validate_section(cfg, "data")
     prepared = prepare_data(cfg, progress=progress, log=log)
     device = torch.device(device)
     try:
@@ -110,7 +108,6 @@ def _copy_tokenizer(out: Path, target: Path, tok: CodeTokenizer) -> str:
 def train_tokenizer_cli(cfg: DataConfig, out: Path | None) -> str:
     """`megacpp tokenizer train`: train (or find cached) and optionally copy tokenizer.json to ``out``
     (a directory, or a .json file path); a different existing file there is never replaced."""
-    validate_section(cfg, "data")
     target = _tokenizer_out(out) if out is not None else None
     tok = load_or_train_tokenizer(cfg, discover_corpus(cfg))
     where = _copy_tokenizer(out, target, tok) if target is not None else tok.path

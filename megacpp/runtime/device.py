@@ -5,8 +5,8 @@ import contextlib
 
 import torch
 
-from megacpp.compile.versions import torch_version
-from megacpp.config import ConfigError
+from megacpp.errors import ConfigError
+from megacpp.versions import torch_version
 
 # Dense bf16 tensor-core peak per GPU, for MFU. Unknown devices report no MFU rather than a guess.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}

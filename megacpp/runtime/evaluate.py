@@ -3,23 +3,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from megacpp.model.hybrid import IGNORE_INDEX
 from megacpp.runtime.data import DataBundle
 from megacpp.runtime.device import autocast_context
 
-if TYPE_CHECKING:  # the distributed layer sits above this package: typing only
-    from megacpp.distributed.context import DistContext
+
+class Ranks(Protocol):
+    """What evaluation needs of the ranks of a job (megacpp.distributed.context.DistContext, a package
+    above this one): a sum over ranks, in place."""
+
+    def all_reduce_(self, tensor: Tensor) -> Tensor: ...
 
 
 @torch.no_grad()
 def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
-                 ctx: DistContext | None = None, micro_batch: int | None = None,
+                 ctx: Ranks | None = None, micro_batch: int | None = None,
                  stop: Callable[[], bool] | None = None) -> float | None:
     """Bits per byte on the validation split: summed NLL (nats) / ln 2 / UTF-8 bytes of the targets
     (special-token targets excluded from both). Under torchrun each rank evaluates its rows of the

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from megacpp.config import ConfigError
+from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig
 from megacpp.model.hybrid import HybridLM
 

@@ -1,14 +1,17 @@
 """Training-loop configuration."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megacpp.model.registry import BLOCK_KINDS
-from megacpp.section import Section
+from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, SEED, ConfigSection, Interval, Keys
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass
-class TrainConfig(Section):
+class TrainConfig(ConfigSection):
     steps: int = 600
     # Wall-clock budget of the run in seconds (0 = none): the run evaluates, saves and ends at the first
     # step that finishes past it. Compilation, evaluations and checkpoints count; a resume continues it.
@@ -45,6 +48,46 @@ class TrainConfig(Section):
     # each rank's trace under <out_dir>/profile/ and its split of a step into compute, exposed collectives
     # and idle. 0 = off.
     profile_steps: int = 0
+
+    @classmethod
+    def ranges(cls) -> dict[str, Interval]:
+        return {
+            "steps": AT_LEAST_1,
+            "seed": SEED,
+            "time_budget_s": NON_NEGATIVE,  # 0 = no budget
+            "batch_size": AT_LEAST_1,
+            "grad_accum": AT_LEAST_1,
+            "micro_batch": NON_NEGATIVE,  # 0 = the whole batch_size
+            "oom_min_micro_batch": AT_LEAST_1,
+            "eval_every": AT_LEAST_1,
+            "eval_batches": AT_LEAST_1,
+            "log_every": AT_LEAST_1,
+            "ckpt_every": AT_LEAST_1,
+            "keep_last": AT_LEAST_1,
+            "sample_tokens": NON_NEGATIVE,
+            "sample_temperature": NON_NEGATIVE,  # 0 = greedy
+            "sample_top_k": NON_NEGATIVE,  # 0 = all tokens
+            "profile_steps": NON_NEGATIVE,  # 0 = off
+        }
+
+    def check(self, k: Keys) -> None:
+        """train.device is auto, cpu, cuda or cuda:N (whether that device exists is checked when used).
+        Every micro-batch of a batch has the same size: a ragged last one would weigh its tokens
+        differently in the loss and compile another graph. train.recompute names block kinds the registry
+        knows. Profiled steps come after the two warmup steps (megacpp.train.profile): a run too short
+        to reach them would silently profile nothing."""
+        if not _DEVICE.fullmatch(self.device):
+            raise k.error("device", "must be auto, cpu, cuda or cuda:N")
+        if self.micro_batch and self.batch_size % self.micro_batch:
+            raise k.error_among(("micro_batch", "batch_size"),
+                                "the micro-batch must divide train.batch_size (0 = the whole batch)")
+        try:
+            recompute_kinds(self.recompute)
+        except ValueError as exc:
+            raise k.error("recompute", f"is not a recompute setting: {exc}") from None
+        if self.profile_steps and self.steps < 2 + self.profile_steps:
+            raise k.error_among(("profile_steps", "steps"), f"profiling {self.profile_steps} step(s) after the 2 "
+                                f"warmup steps needs train.steps >= {2 + self.profile_steps}")
 
 
 def recompute_kinds(setting: str) -> frozenset[str]:

@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
-from megacpp.compile.versions import torch_version
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.distributed.context import DistContext
 from megacpp.distributed.health import check_compile_health
@@ -44,10 +43,10 @@ from megacpp.distributed.parity import (
 from megacpp.distributed.stats import StatisticsReducer
 from megacpp.distributed.strategy import apply_data_parallel
 from megacpp.distributed.watchdog import StepWatchdog
-from megacpp.doctor import kernel_report
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
+from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
 from megacpp.optim.groups import optimizer_state_bytes
 from megacpp.run_config import gate
@@ -71,6 +70,7 @@ from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
 from megacpp.train.sample import end_of_run_sample
 from megacpp.train.votes import StopVotes
+from megacpp.versions import torch_version
 
 
 class Trainer:

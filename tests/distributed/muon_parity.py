@@ -94,7 +94,8 @@ def main() -> None:
             q.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
         lr = 0.03 / (1 + step)  # the schedule moves lr: a compiled step must not recompile for it
         for opt in (reference, sharded):
-            opt.set_hparam("lr", lr)
+            for group in opt.param_groups:
+                group["lr"].fill_(lr)
             opt.step()
         for i, (p, q) in enumerate(zip(ref_params, shard_params, strict=True)):
             same(p.detach(), q.detach().full_tensor(), f"step {step}: parameter {i} {tuple(p.shape)}")

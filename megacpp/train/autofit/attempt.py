@@ -40,6 +40,7 @@ import torch
 
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import DistContext, init_distributed, torchrun_world
+from megacpp.distributed.launch_env import PARENT_ENV, REPORT_ENV, SPAWNED_ENV
 from megacpp.errors import MegacppError
 from megacpp.train.autofit.rendezvous import attempt_store, job_store, oom_key
 
@@ -50,10 +51,6 @@ WINDOW_STEPS = 3
 OOM_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: "try again"; the supervisor does, with a smaller micro-batch
 
 ATTEMPT_ENV = "MEGACPP_AUTOFIT_ATTEMPT"
-REPORT_ENV = "MEGACPP_AUTOFIT_REPORT"
-SPAWNED_ENV = "MEGACPP_AUTOFIT_SPAWNED"
-PARENT_ENV = "MEGACPP_AUTOFIT_PARENT"
-PER_RANK_ENV = (REPORT_ENV, SPAWNED_ENV, PARENT_ENV)  # differ between ranks by design (parity skips them)
 
 
 class AutoFitError(MegacppError):

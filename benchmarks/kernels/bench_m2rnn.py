@@ -1,8 +1,8 @@
 """M2RNN (R) on a GPU: the exact path (bitwise mode's kernels, megacpp/ops/m2rnn_triton.py) against the fast
 path (the default on CUDA, megacpp/ops/m2rnn_triton_fast.py), at `small`'s R sizes by default.
 
-    python benchmarks/bench_m2rnn.py                                  # about 3 minutes on an H100
-    TRITON_INTERPRET=1 python benchmarks/bench_m2rnn.py --dry-run     # tiny sizes on CPU: checks the script
+    python benchmarks/kernels/bench_m2rnn.py                                  # about 3 minutes on an H100
+    TRITON_INTERPRET=1 python benchmarks/kernels/bench_m2rnn.py --dry-run     # tiny sizes on CPU: checks the script
 
 1. Check (B --check-batch x T --check-seq, the bench's heads and dims, inputs distributed like the
    mixer's): every output of the exact kernels and of each fast variant against the float64 reference,
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from timing import median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.m2rnn import M2RNN, M2RNNConfig
 from megacpp.ops import m2rnn_scan as scan_ops

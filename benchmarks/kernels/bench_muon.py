@@ -9,8 +9,8 @@ Variants, all in the same run on the same parameters and gradients:
 GPU: CUDA events, warmup then the median of N steps. CPU: wall clock median; --quick shrinks the
 model 6x per side (d=128) and the step counts so it finishes in about a minute on 2 cores.
 
-    python benchmarks/bench_muon.py            # GPU (or full size on CPU)
-    python benchmarks/bench_muon.py --quick --threads 1   # CPU smoke run
+    python benchmarks/kernels/bench_muon.py            # GPU (or full size on CPU)
+    python benchmarks/kernels/bench_muon.py --quick --threads 1   # CPU smoke run
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from timing import median_ms  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 from torch import nn
 
 from megacpp.compile.cache import setup_inductor_cache

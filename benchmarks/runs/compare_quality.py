@@ -1,8 +1,8 @@
 """Compare finished runs' validation bits per byte: against tokens trained and against wall time,
 with the baselines (xz -9e alone and given the training split, unigram entropy) as horizontal lines.
 
-    python benchmarks/compare_quality.py runs/small runs/dense --out quality.png
-    python benchmarks/compare_quality.py small=runs/small dense=/tmp/d --out quality.png
+    python benchmarks/runs/compare_quality.py runs/small runs/dense --out quality.png
+    python benchmarks/runs/compare_quality.py small=runs/small dense=/tmp/d --out quality.png
 
 Each argument is a run directory (its metrics.jsonl is read), optionally labelled `label=dir`. Runs
 must have been trained by a megacpp with issue 13's metrics (val records with `tokens` and

@@ -1,7 +1,7 @@
 """Step-to-step spread of the training loss and gradient-norm spikes of finished runs (issue 13's
 before/after comparison of the loader).
 
-    python benchmarks/loss_spread.py before=/tmp/before after=/tmp/after --steps 100:300
+    python benchmarks/runs/loss_spread.py before=/tmp/before after=/tmp/after --steps 100:300
 
 Over the steps in the window, from each run's metrics.jsonl:
 - detrended std: standard deviation of the loss minus its least-squares line over the window;

@@ -1,4 +1,8 @@
-"""The one version-gate table: every torch-version-dependent branch in megacpp reads it.
+"""Installed versions: the one version-gate table, which every torch-version-dependent branch in
+megacpp reads, and the version of any installed package (`package_version`).
+
+The model, the compile policy, the distributed layer and `megacpp doctor` all read these facts, so they
+sit at the bottom of the package and import nothing of it.
 
 Versions are parsed by `packaging.version` (PEP 440) and compared as versions, never as strings
 ("2.9" > "2.12" as strings): ``2.12.0.dev20260304`` < ``2.12.0a0`` < ``2.12.0rc1`` < ``2.12.0`` <
@@ -9,6 +13,7 @@ the safe side.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +89,11 @@ def supports(feature: str, version: str | Version | None = None) -> bool:
     else:
         current = parse_version(version)
     return public_version(current) >= parse_version(GATES[feature].min_version)
+
+
+def package_version(module: str) -> str:
+    """An installed package's ``__version__`` ("installed" when it has none), or "not installed"."""
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except ImportError:
+        return "not installed"

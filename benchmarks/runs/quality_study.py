@@ -1,6 +1,6 @@
 """Train several variants under one budget, one after another, and compare them (issue 13's study).
 
-    python benchmarks/quality_study.py --out /tmp/qs --budget-s 180 \\
+    python benchmarks/runs/quality_study.py --out /tmp/qs --budget-s 180 \\
         small="--preset small" dense="--preset dense" \\
         "small T8192=--preset small --data.seq_len 8192 --train.batch_size 4"
 

@@ -1,8 +1,8 @@
 """Mamba-3 on a GPU: the fused Triton scan (megacpp/ops/mamba3_triton.py) against the pure-PyTorch
 reference, then the M mixer's forward + backward time for each scan implementation.
 
-    python benchmarks/bench_mamba3.py                      # small's sizes: d_model 768, B16 x T2048
-    PYTHONPATH=.:.peers/mamba_src python benchmarks/bench_mamba3.py   # also times mamba_ssm's Mamba3
+    python benchmarks/kernels/bench_mamba3.py                      # small's sizes: d_model 768, B16 x T2048
+    PYTHONPATH=.:.peers/mamba_src python benchmarks/kernels/bench_mamba3.py   # also times mamba_ssm's Mamba3
 
 1. Correctness at small's mixer sizes (24 heads x 64, d_state 128, 1 group, 32 angles, chunk 64) on
    random inputs (--check-batch x --check-seq, documents of --doc-len tokens, an initial state):
@@ -27,7 +27,7 @@ import sys
 
 import torch
 import torch._dynamo
-from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, graph_breaks  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
 from megacpp.compile.cache import setup_inductor_cache
 from megacpp.model.mamba3 import Mamba3, Mamba3Config

@@ -8,8 +8,8 @@ Variants (name: GPUs, batch per GPU, accumulation, strategy):
 - ``small-1-acc2``: 1 GPU, batch 16 x 2 accumulated (the same global batch and token stream as small-2);
 - ``nam52-dD``: `nam52` cut to depth D (its pattern and widths unchanged) on all visible GPUs.
 
-    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2,small-2-b8,small-1-b8
-    python benchmarks/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2,small-2-b8,small-1-b8
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
 
 For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
 time (compile), peak memory of rank 0, and the profile lines of its run (``--set train.profile_steps=3``

@@ -1,7 +1,7 @@
 """Sublayer forward+backward time on a GPU: megacpp's M, A and E mixers, and mamba_ssm's Mamba3 layer
 measured in the same run when it can be imported (PYTHONPATH pointing at a mamba_ssm 2.3.2 source).
 
-    PYTHONPATH=.peers/mamba_src python benchmarks/bench_blocks.py --d-model 768 --batch 16 --seq 2048
+    PYTHONPATH=.peers/mamba_src python benchmarks/kernels/bench_blocks.py --d-model 768 --batch 16 --seq 2048
 
 bf16 autocast, CUDA events, warmup then the median of --iters runs. Prints a table last.
 """
@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch._dynamo
-from timing import fwd_bwd_ms, graph_breaks  # benchmarks/timing.py (the script's directory is on sys.path)
+from timing import fwd_bwd_ms, graph_breaks  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 from torch import nn
 
 from megacpp.compile.cache import setup_inductor_cache

@@ -7,7 +7,7 @@
   break per M sublayer);
 - bitwise mode (--train.deterministic) twice: losses must be identical.
 
-    python benchmarks/bench_small.py --preset small --steps 50 --out /tmp/bench_small
+    python benchmarks/runs/bench_small.py --preset small --steps 50 --out /tmp/bench_small
 
 Prints a table last: first-step seconds, median step ms, tokens/s, final loss, and the loss checks.
 """

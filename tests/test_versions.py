@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megacpp.compile import versions
-from megacpp.compile.versions import GATES, parse_version, public_version, supports
+from megacpp import versions
+from megacpp.versions import GATES, parse_version, public_version, supports
 
 
 def test_minor_versions_compare_numerically_not_as_strings():

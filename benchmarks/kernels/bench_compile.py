@@ -1,6 +1,6 @@
 """Compile benchmark: cold vs warm (cache) compile time, and steady-state step time compiled vs eager.
 
-    PYTHONPATH=. python benchmarks/bench_compile.py --factory tests.compile_fixtures.standin:build_standin \\
+    PYTHONPATH=. python benchmarks/kernels/bench_compile.py --factory tests.compile_fixtures.standin:build_standin \\
         --backend inductor --mode blocks --batch 8 --seq 128 --steps 20
 
 `--factory module:function` builds the model (keyword arguments from `--factory-kwargs` JSON); it must
@@ -30,7 +30,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.health import CompileHealth, bounds_for
 from megacpp.compile.regions import compile_model
 from megacpp.compile.report import random_token_batch
-from megacpp.compile.versions import torch_version
+from megacpp.versions import torch_version
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,10 +17,10 @@ with the anchors measured in the same run:
   tokens in 512-token documents, forward + backward + optimizer, tokens/s and MFU (megacpp's FLOP
   convention, `megacpp.model.params.flops_per_token`, for both).
 
-    PYTHONPATH=.:.peers/nanochat:.peers/mamba_src python benchmarks/bench_throughput.py
-    python benchmarks/bench_throughput.py --quick --threads 1 --parts experts,head,optimizer   # CPU smoke run
+    PYTHONPATH=.:.peers/nanochat:.peers/mamba_src python benchmarks/kernels/bench_throughput.py
+    python benchmarks/kernels/bench_throughput.py --quick --threads 1 --parts experts,head,optimizer   # CPU smoke run
 
-CUDA events, warmup then the median of --iters runs (benchmarks/timing.py), each from an idle GPU; the
+CUDA events, warmup then the median of --iters runs (benchmarks/kernels/timing.py), each from an idle GPU; the
 M sublayer and mamba_ssm's layer also with the host's cost hidden ("device time", `timing.device_ms`).
 Every row prints when it is measured (a call cut by its time limit keeps them); the table with
 megacpp/anchor ratios prints last.
@@ -35,14 +35,13 @@ from collections.abc import Callable
 import torch
 import torch._dynamo
 
-# benchmarks/timing.py (the script's directory is on sys.path)
+# benchmarks/kernels/timing.py (the script's directory is on sys.path)
 from timing import device_ms, fwd_bwd_ms, fwd_bwd_step, matmul_split, median_ms
 
 from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
-from megacpp.compile.versions import supports
 from megacpp.config import apply_overrides
 from megacpp.model.hints import run_after_optimizer_step
 from megacpp.model.hybrid import Block, HybridLM
@@ -52,6 +51,7 @@ from megacpp.model.segments import document_segments
 from megacpp.optim import build_optimizers
 from megacpp.presets import PRESETS, dense_of, preset
 from megacpp.runtime.device import peak_flops
+from megacpp.versions import supports
 
 Row = tuple[str, float, float | None, str]  # name, ms, peak GiB added (or None), note
 # The M pair and E are timed twice: from an idle GPU, so a host that launches slower than the GPU runs

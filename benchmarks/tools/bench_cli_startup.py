@@ -1,7 +1,7 @@
 """CLI start-up: what a user waits for before `megacpp config` or `megacpp --help` answers.
 
-    python benchmarks/bench_cli_startup.py                          # this checkout, median of 5
-    python benchmarks/bench_cli_startup.py --trees /tmp/base . --runs 5
+    python benchmarks/tools/bench_cli_startup.py                          # this checkout, median of 5
+    python benchmarks/tools/bench_cli_startup.py --trees /tmp/base . --runs 5
 
 Each measure is a fresh interpreter (imports are cached per process) with PYTHONPATH set to the tree
 being timed, so one call can compare an older checkout (e.g. ``git archive``) with this one; the

@@ -1,6 +1,6 @@
 """Load a mamba_ssm 2.3.2 Mamba3 (SISO) layer's weights into megacpp's Mamba3 and compare outputs.
 
-    PYTHONPATH=.:.peers/mamba_src python benchmarks/check_mamba3_parity.py
+    PYTHONPATH=.:.peers/mamba_src python benchmarks/tools/check_mamba3_parity.py
 
 Needs a CUDA GPU (mamba_ssm's kernels are Triton) and the mamba_ssm source on PYTHONPATH. The peer is
 built with its own initialisation, perturbed so no parameter sits at a special value, converted with

@@ -1,7 +1,7 @@
 """Data-path throughput: BPE training, corpus tokenization, packed-loader batches.
 
-    python benchmarks/bench_data.py                      # torch/include, default DataConfig
-    python benchmarks/bench_data.py --tokenize-mb 8 --batches 8x256,16x2048
+    python benchmarks/tools/bench_data.py                      # torch/include, default DataConfig
+    python benchmarks/tools/bench_data.py --tokenize-mb 8 --batches 8x256,16x2048
 
 Everything is written to a temporary cache directory; the user cache is not touched.
 """

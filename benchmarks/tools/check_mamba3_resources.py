@@ -1,10 +1,10 @@
 """Compile the fused Mamba-3 Triton kernels for a GPU architecture, without a GPU, and check that each
 fits one streaming multiprocessor: shared memory, registers, spills.
 
-    python benchmarks/check_mamba3_resources.py                      # sm_90 (H100/H200): tiny, small, nam52
-    python benchmarks/check_mamba3_resources.py --presets small --modes fp32
-    python benchmarks/check_mamba3_resources.py --arch 80            # A100
-    python benchmarks/check_mamba3_resources.py --device             # on a GPU machine: its own architecture
+    python benchmarks/tools/check_mamba3_resources.py                      # sm_90 (H100/H200): tiny, small, nam52
+    python benchmarks/tools/check_mamba3_resources.py --presets small --modes fp32
+    python benchmarks/tools/check_mamba3_resources.py --arch 80            # A100
+    python benchmarks/tools/check_mamba3_resources.py --device             # on a GPU machine: its own architecture
 
 For every preset's M-mixer sizes (B --batch x T --seq) and operand mode it runs `fused_fwd` and
 `fused_bwd` (megacpp/ops/mamba3_triton.py) on meta tensors laid out as the mixer hands them over (x and
