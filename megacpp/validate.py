@@ -30,6 +30,7 @@ from megacpp.errors import MegacppError
 from megacpp.model.mamba3 import num_rope_angles
 from megacpp.model.moe import grouped_dispatch_problem
 from megacpp.model.pattern import PatternError, expand_pattern, validate_pattern
+from megacpp.model.rope import LONG_CONTEXT_THETAS, SHORT_CONTEXT_THETA, rope_theta_for_length
 from megacpp.ops.mamba3_fused import triton_size_reason
 from megacpp.ops.softcap_xent import MAX_CAP
 from megacpp.optim.kind_scales import parse_lr_scales
@@ -187,6 +188,7 @@ RANGES: dict[str, Interval] = {
     "optim.grad_clip_norm": NON_NEGATIVE,  # 0 = off
     "data.min_bytes": NON_NEGATIVE,
     "data.max_bytes": NON_NEGATIVE,
+    "data.max_document_bytes": AT_LEAST_1,
     "data.val_fraction": BELOW_1,  # 1 would leave nothing to train on
     "data.vocab_size": Interval(MIN_VOCAB_SIZE),  # 256 byte tokens and the special tokens
     "data.tokenizer_sample_bytes": AT_LEAST_1,
@@ -429,11 +431,17 @@ def _lr_scales_well_formed(k: _Keys) -> None:
 
 
 def _seq_len_fits_rope(k: _Keys) -> None:
-    """Attention's RoPE tables have max_seq_len rows; a longer training row fails in the first forward."""
-    if k.uses("A") and k.value("data.seq_len") > k.value("model.attention.max_seq_len"):
+    """Attention's RoPE tables have max_seq_len rows; a longer training row fails in the first forward.
+    The tables are a model setting, recorded in every checkpoint: the gate asks for them rather than the
+    model quietly sizing itself from the data. The message names the documented long-context base period."""
+    seq_len = k.value("data.seq_len")
+    if k.uses("A") and seq_len > k.value("model.attention.max_seq_len"):
+        theta = rope_theta_for_length(seq_len) if seq_len <= LONG_CONTEXT_THETAS[-1][0] else None
+        advice = f" and, as documented for this length, --model.attention.rope_theta {theta:g}" \
+            if theta is not None and theta != SHORT_CONTEXT_THETA else ""
         raise k.error_among(("data.seq_len", "model.attention.max_seq_len"),
                             "data.seq_len exceeds model.attention.max_seq_len, the length of the RoPE tables "
-                            "(raise the latter)")
+                            f"(raise the latter: --model.attention.max_seq_len {seq_len}{advice})")
 
 
 def _mtp_within_seq_len(k: _Keys) -> None:
@@ -442,17 +450,6 @@ def _mtp_within_seq_len(k: _Keys) -> None:
     if k.value("model.mtp_depth") >= k.value("data.seq_len"):
         raise k.error_among(("model.mtp_depth", "data.seq_len"),
                             "mtp_depth must be < seq_len: the deepest MTP head would have no target")
-
-
-def _sample_fits_decode_cache(k: _Keys) -> None:
-    """The end-of-run sample decodes BOS + prompt + sample_tokens through a KV cache of at most
-    max_seq_len: a long run would end in a traceback. The prompt is counted in bytes, an upper bound
-    of its tokens under the byte-level tokenizer."""
-    prompt_bytes = len(k.value("train.sample_prompt").encode("utf-8"))
-    if k.uses("A") and 1 + prompt_bytes + k.value("train.sample_tokens") > k.value("model.attention.max_seq_len"):
-        raise k.error_among(("train.sample_tokens", "model.attention.max_seq_len", "train.sample_prompt"),
-                            f"BOS + the prompt ({prompt_bytes} bytes) + sample_tokens exceeds max_seq_len, "
-                            "the longest attention cache the end-of-run sample can use")
 
 
 def _seeds_sum(k: _Keys) -> None:
@@ -512,7 +509,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "data": (_byte_limits, _extensions_dotted, _corpus_names_a_path),
     "train": (_device_form, _micro_batch_divides),
     "optim": (_lr_scales_well_formed,),
-    "": (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum, _schedule_fits_run,
+    "": (_seq_len_fits_rope, _mtp_within_seq_len, _seeds_sum, _schedule_fits_run,
          _lr_scales_name_used_kinds),
 }
 

@@ -10,7 +10,6 @@ import torch
 from megacpp.config import Config
 from megacpp.data.baselines import Baselines
 from megacpp.data.tokenizer import CodeTokenizer
-from megacpp.errors import UsageError
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
 from megacpp.runtime.checkpoint import (
@@ -34,20 +33,11 @@ class Session:
     checkpoint: Path
     device: torch.device
 
-    def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """BOS + the prompt's tokens; UsageError if prompt and new tokens do not fit the KV cache
-        (attention's RoPE tables have max_seq_len rows; models without attention have no such limit)."""
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
-        if "A" not in self.config.model.pattern:
-            return ids
-        context = self.config.model.attention.max_seq_len
-        where = f"the model's context (model.attention.max_seq_len of {self.checkpoint})"
-        if len(ids) > context:
-            raise UsageError(f"--prompt is {len(ids)} tokens with BOS, longer than {where}: {context} tokens")
-        if len(ids) + max_new_tokens > context:
-            raise UsageError(f"--prompt ({len(ids)} tokens with BOS) + --tokens {max_new_tokens} exceed {where}: "
-                             f"{context} tokens; use --tokens {context - len(ids)} or fewer")
-        return ids
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """BOS + the prompt's tokens. Any length decodes: attention's decode cache grows its RoPE tables
+        past model.attention.max_seq_len (a prompt the model never trained at that length is still only as
+        good as the model's long-context training)."""
+        return [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
 
     def stream(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
                ) -> Iterator[str]:
@@ -56,7 +46,7 @@ class Session:
         Training separates documents by BOS alone (the loader never emits EOS), so the model ends a
         document by predicting BOS: either special token stops the sample.
         """
-        ids = self.prompt_ids(prompt, max_new_tokens)
+        ids = self.prompt_ids(prompt)
         yield prompt
         tokens = generate_tokens(self.model, ids, max_new_tokens, temperature, top_k, seed,
                                  stop_id={self.tokenizer.bos_id, self.tokenizer.eos_id})
