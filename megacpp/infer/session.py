@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megacpp.config import Config
 from megacpp.data.baselines import Baselines
+from megacpp.data.corpus import discover_corpus
 from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
@@ -19,10 +20,12 @@ from megacpp.runtime.checkpoint import (
     latest_valid_checkpoint,
     load_checkpoint,
 )
-from megacpp.runtime.data import build_data
+from megacpp.runtime.cpp_syntax import Compiler, SyntaxReport, check_completions
+from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
 from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
+from megacpp.runtime.position_curve import PositionCurve, position_curve
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Session:
     config: Config
     checkpoint: Path
     device: torch.device
+    _data: DataBundle | None = field(default=None, repr=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """BOS + the prompt's tokens. Any length decodes: attention's decode cache grows its RoPE tables
@@ -52,12 +56,29 @@ class Session:
                                  stop_id={self.tokenizer.bos_id, self.tokenizer.eos_id})
         yield from stream_text(self.tokenizer, tokens)
 
+    def data(self) -> DataBundle:
+        """The checkpoint's data with its own tokenizer, built on first use."""
+        if self._data is None:
+            data_cfg = self.config.data
+            data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
+            self._data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+        return self._data
+
     def evaluate(self, batches: int) -> tuple[float, Baselines]:
         """Bits per byte on `batches` validation batches, and the baselines of the same split."""
-        data_cfg = self.config.data
-        data_cfg.tokenizer_path = str(self.checkpoint / "tokenizer.json")
-        data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+        data = self.data()
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
+
+    def position_curve(self, batches: int) -> PositionCurve:
+        """Bits per byte by position in the document over the same batches as `evaluate`."""
+        return position_curve(self.model, self.data(), self.device, batches)
+
+    def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, timeout_s: float) -> SyntaxReport:
+        """The syntax check of `n` completed functions of the validation split; the prompt gets the rest of
+        the training row (data.seq_len - max_new_tokens tokens)."""
+        docs = discover_corpus(self.config.data).split("val")
+        return check_completions(self.model, self.tokenizer, docs, n, compiler,
+                                 self.config.data.seq_len - max_new_tokens, max_new_tokens, timeout_s)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
