@@ -122,6 +122,8 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--cpp-syntax {args.cpp_syntax}: must be >= 0 (the number of functions; 0 = off)")
     if args.cpp_tokens is not None and args.cpp_tokens < 1:
         raise UsageError(f"--cpp-tokens {args.cpp_tokens}: must be >= 1")
+    if args.cpp_context is not None and args.cpp_context < 1:
+        raise UsageError(f"--cpp-context {args.cpp_context}: must be >= 1")
     if not (math.isfinite(args.cpp_timeout) and args.cpp_timeout > 0):
         raise UsageError(f"--cpp-timeout {args.cpp_timeout}: must be a finite number of seconds > 0")
 
@@ -169,6 +171,7 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
         compiler = find_compiler()
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     cpp_tokens = _cpp_tokens(args, session.config.data.seq_len) if compiler is not None else 0
+    cpp_context = args.cpp_context or session.config.data.seq_len - cpp_tokens
     bpb, baselines = session.evaluate(args.batches)
     print(eval_summary(bpb, baselines, session.checkpoint))
     if args.by_position:
@@ -179,7 +182,7 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
         curve.write(path)
         print(f"{curve.table()}\nwrote {path}")
     if compiler is not None:
-        print(session.cpp_syntax(args.cpp_syntax, compiler, cpp_tokens, args.cpp_timeout).summary())
+        print(session.cpp_syntax(args.cpp_syntax, compiler, cpp_tokens, cpp_context, args.cpp_timeout).summary())
     return 0
 
 
@@ -314,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "file with the C++ compiler ($CXX, else g++/clang++/c++) in syntax-only mode (default 0: off)")
     p.add_argument("--cpp-tokens", type=int, metavar="T",
                    help="token budget of each --cpp-syntax completion (default: half of data.seq_len, at most 512)")
+    p.add_argument("--cpp-context", type=int, metavar="T",
+                   help="prompt tokens of each --cpp-syntax case (default: the rest of the training row); the "
+                   "prompt is read one token at a time, so a shorter one is faster")
     p.add_argument("--cpp-timeout", type=float, default=60.0, metavar="S",
                    help="seconds allowed to each compiler call of --cpp-syntax (default 60)")
 

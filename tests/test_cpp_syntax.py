@@ -175,7 +175,7 @@ def test_tiny_model_end_to_end_counts_add_up(cpp_run):
             break
         looked_at.append(name)
         checked += name not in broken
-    report = session.cpp_syntax(n, find_compiler(env={}), max_new_tokens=16, timeout_s=60)
+    report = session.cpp_syntax(n, find_compiler(env={}), max_new_tokens=16, context=48, timeout_s=60)
     assert report.cases == checked == n and report.passed + report.failed + report.timed_out == report.cases
     assert report.functions == len(looked_at) and report.skipped == sum(name in broken for name in looked_at)
     assert report.skipped >= 1, "the fixture must plant a broken file among those looked at"
@@ -205,6 +205,7 @@ def test_cli_eval_without_a_compiler_is_one_line(cpp_run, capsys, monkeypatch, t
     (["--cpp-syntax", "1", "--cpp-tokens", "0"], "--cpp-tokens 0: must be >= 1"),
     (["--cpp-syntax", "1", "--cpp-tokens", "64"], "--cpp-tokens 64: must be below the checkpoint's data.seq_len 64"),
     (["--cpp-syntax", "1", "--cpp-timeout", "0"], "--cpp-timeout 0.0: must be a finite number of seconds > 0"),
+    (["--cpp-syntax", "1", "--cpp-context", "0"], "--cpp-context 0: must be >= 1"),
 ])
 def test_out_of_range_syntax_check_arguments_are_one_line(cpp_run, capsys, args, message):
     run, _ = cpp_run

@@ -38,9 +38,8 @@ class Session:
     _data: DataBundle | None = field(default=None, repr=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """BOS + the prompt's tokens. Any length decodes: attention's decode cache grows its RoPE tables
-        past model.attention.max_seq_len (a prompt the model never trained at that length is still only as
-        good as the model's long-context training)."""
+        """BOS + the prompt's tokens, of any length: a decode cache longer than attention's RoPE tables
+        (model.attention.max_seq_len) computes the rows it needs."""
         return [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
 
     def stream(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
@@ -70,15 +69,16 @@ class Session:
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
 
     def position_curve(self, batches: int) -> PositionCurve:
-        """Bits per byte by position in the document over the same batches as `evaluate`."""
-        return position_curve(self.model, self.data(), self.device, batches)
+        """Bits per byte by position in the document over the same batches as `evaluate`, in the training's
+        micro-batches (a row of 65,536 tokens has logits of 8 GiB in fp32 at a 32K vocabulary)."""
+        return position_curve(self.model, self.data(), self.device, batches, self.config.train.micro_batch or None)
 
-    def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, timeout_s: float) -> SyntaxReport:
-        """The syntax check of `n` completed functions of the validation split; the prompt gets the rest of
-        the training row (data.seq_len - max_new_tokens tokens)."""
+    def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, context: int, timeout_s: float
+                   ) -> SyntaxReport:
+        """The syntax check of `n` completed functions of the validation split, prompts of at most `context`
+        tokens."""
         docs = discover_corpus(self.config.data).split("val")
-        return check_completions(self.model, self.tokenizer, docs, n, compiler,
-                                 self.config.data.seq_len - max_new_tokens, max_new_tokens, timeout_s)
+        return check_completions(self.model, self.tokenizer, docs, n, compiler, context, max_new_tokens, timeout_s)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -2,10 +2,11 @@
 
 For each file of the validation split's documents (in corpus order), the last function body that
 `megacpp.runtime.cpp_functions` finds with at least one statement and at most `MAX_BODY_CHARS` characters
-is a case: the document's text up to and including the body's ``{`` is the prompt (its last
-``data.seq_len - tokens`` tokens; BOS first when it starts the document), the model completes it greedily
-until the braces balance (or the token budget, or the end of the document), and the file with the
-completion in place of the body is checked by the machine's C++ compiler in syntax-only mode. A case
+is a case: the document's text up to and including the body's ``{`` is the prompt (its last `context`
+tokens, BOS first when that reaches the document's start; `megacpp eval` gives it the rest of the training
+row, or ``--cpp-context``), the model completes it greedily until the braces balance (or the token budget,
+or the end of the document), and the file with the completion in place of the body is checked by the
+machine's C++ compiler in syntax-only mode. A case
 whose original file fails that check (a missing dependency, a header written for another compiler) is
 skipped and counted: only completions can fail. Cases are taken until N have been checked.
 
