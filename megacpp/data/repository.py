@@ -29,6 +29,7 @@ import os
 import posixpath
 import re
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _ancestors(rel_dir: str) -> list[str]:
     return out
 
 
-def group_files(rels: Iterable[str], mode: str, repositories: set[str] = frozenset()) -> list[Unit]:
+def group_files(rels: Iterable[str], mode: str, repositories: AbstractSet[str] = frozenset()) -> list[Unit]:
     """The units that files (POSIX paths relative to a corpus root) form under `mode` ("directory" or
     "repository", with `repositories` from `repository_dirs`), in the order of their first file's path."""
     rels = sorted(rels)
@@ -115,7 +116,7 @@ def group_files(rels: Iterable[str], mode: str, repositories: set[str] = frozens
     return units
 
 
-def _repository_of(rel: str, repositories: set[str]) -> str | None:
+def _repository_of(rel: str, repositories: AbstractSet[str]) -> str | None:
     """The outermost repository directory on rel's path; the root ("") when there are none at all; None
     when there are some but rel is outside every one."""
     if not repositories:
