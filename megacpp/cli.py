@@ -114,6 +114,29 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
 def _check_eval_args(args: argparse.Namespace) -> None:
     if args.batches < 1:
         raise UsageError(f"--batches {args.batches}: must be >= 1")
+    if args.out is not None and not args.by_position:
+        raise UsageError(f"--out {args.out}: only --by-position writes a file (add --by-position)")
+    if args.cpp_syntax < 0:
+        raise UsageError(f"--cpp-syntax {args.cpp_syntax}: must be >= 0 (the number of functions; 0 = off)")
+    if args.cpp_tokens is not None and args.cpp_tokens < 1:
+        raise UsageError(f"--cpp-tokens {args.cpp_tokens}: must be >= 1")
+    if args.cpp_context is not None and args.cpp_context < 1:
+        raise UsageError(f"--cpp-context {args.cpp_context}: must be >= 1")
+    if not (math.isfinite(args.cpp_timeout) and args.cpp_timeout > 0):
+        raise UsageError(f"--cpp-timeout {args.cpp_timeout}: must be a finite number of seconds > 0")
+
+
+def _cpp_tokens(args: argparse.Namespace, seq_len: int) -> int:
+    """The completion budget: --cpp-tokens, else half the training row (at most the default budget); the
+    prompt gets the rest of the row, so the budget must leave it at least one token."""
+    from megacpp.runtime.cpp_syntax import DEFAULT_TOKENS
+
+    if args.cpp_tokens is None:
+        return min(DEFAULT_TOKENS, seq_len // 2)
+    if args.cpp_tokens >= seq_len:
+        raise UsageError(f"--cpp-tokens {args.cpp_tokens}: must be below the checkpoint's data.seq_len {seq_len} "
+                         "(the prompt gets the rest of the row)")
+    return args.cpp_tokens
 
 
 def _check_sample_args(args: argparse.Namespace) -> None:
@@ -139,9 +162,25 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
 
     _check_eval_args(args)
     _check_checkpoint_overrides("eval", args)
+    compiler = None
+    if args.cpp_syntax:  # before any loading: a missing compiler is one line at once
+        from megacpp.runtime.cpp_syntax import find_compiler
+
+        compiler = find_compiler()
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
+    cpp_tokens = _cpp_tokens(args, session.config.data.seq_len) if compiler is not None else 0
+    cpp_context = args.cpp_context or session.config.data.seq_len - cpp_tokens
     bpb, baselines = session.evaluate(args.batches)
     print(eval_summary(bpb, baselines, session.checkpoint))
+    if args.by_position:
+        from megacpp.runtime.position_curve import default_curve_path
+
+        curve = session.position_curve(args.batches)
+        path = args.out or default_curve_path(session.checkpoint)
+        curve.write(path)
+        print(f"{curve.table()}\nwrote {path}")
+    if compiler is not None:
+        print(session.cpp_syntax(args.cpp_syntax, compiler, cpp_tokens, cpp_context, args.cpp_timeout).summary())
     return 0
 
 
@@ -267,6 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("eval", cmd_eval, "bits per byte of a checkpoint on the validation split")
     p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")
     p.add_argument("--batches", type=int, default=32, help="validation batches to evaluate (default 32)")
+    p.add_argument("--by-position", action="store_true",
+                   help="also bits/byte by position in the document (1-64, 65-128, ... tokens of context): "
+                   "a table, and JSON written to --out or RUN/position_curve-<checkpoint>.json")
+    p.add_argument("--out", type=Path, metavar="FILE", help="where --by-position writes its JSON")
+    p.add_argument("--cpp-syntax", type=int, default=0, metavar="N",
+                   help="also complete N held-out C++ functions of the validation split greedily and check each "
+                   "file with the C++ compiler ($CXX, else g++/clang++/c++) in syntax-only mode (default 0: off)")
+    p.add_argument("--cpp-tokens", type=int, metavar="T",
+                   help="token budget of each --cpp-syntax completion (default: half of data.seq_len, at most 512)")
+    p.add_argument("--cpp-context", type=int, metavar="T",
+                   help="prompt tokens of each --cpp-syntax case (default: the rest of the training row); the "
+                   "prompt is read one token at a time, so a shorter one is faster")
+    p.add_argument("--cpp-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds allowed to each compiler call of --cpp-syntax (default 60)")
 
     p = add("sample", cmd_sample, "stream generated text from a checkpoint")
     p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")

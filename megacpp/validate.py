@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megacpp.config import Config
+from megacpp.model.rope import LONG_CONTEXT_THETAS, SHORT_CONTEXT_THETA, rope_theta_for_length
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.registry import OPTIMIZERS
 from megacpp.optim.schedule import WarmupStableDecay
@@ -49,11 +50,17 @@ def _uses(k: Keys, symbol: str) -> bool:
 
 
 def _seq_len_fits_rope(k: Keys) -> None:
-    """Attention's RoPE tables have max_seq_len rows; a longer training row fails in the first forward."""
-    if _uses(k, "A") and k.value("data.seq_len") > k.value("model.attention.max_seq_len"):
+    """Attention's RoPE tables have max_seq_len rows; a longer training row fails in the first forward.
+    The tables are a model setting, recorded in every checkpoint: the gate asks for them rather than the
+    model quietly sizing itself from the data. The message names the documented long-context base period."""
+    seq_len = k.value("data.seq_len")
+    if _uses(k, "A") and seq_len > k.value("model.attention.max_seq_len"):
+        theta = rope_theta_for_length(seq_len) if seq_len <= LONG_CONTEXT_THETAS[-1][0] else None
+        advice = f" and, as documented for this length, --model.attention.rope_theta {theta:g}" \
+            if theta is not None and theta != SHORT_CONTEXT_THETA else ""
         raise k.error_among(("data.seq_len", "model.attention.max_seq_len"),
                             "data.seq_len exceeds model.attention.max_seq_len, the length of the RoPE tables "
-                            "(raise the latter)")
+                            f"(raise the latter: --model.attention.max_seq_len {seq_len}{advice})")
 
 
 def _mtp_within_seq_len(k: Keys) -> None:
@@ -62,17 +69,6 @@ def _mtp_within_seq_len(k: Keys) -> None:
     if k.value("model.mtp_depth") >= k.value("data.seq_len"):
         raise k.error_among(("model.mtp_depth", "data.seq_len"),
                             "mtp_depth must be < seq_len: the deepest MTP head would have no target")
-
-
-def _sample_fits_decode_cache(k: Keys) -> None:
-    """The end-of-run sample decodes BOS + prompt + sample_tokens through a KV cache of at most
-    max_seq_len: a long run would end in a traceback. The prompt is counted in bytes, an upper bound
-    of its tokens under the byte-level tokenizer."""
-    prompt_bytes = len(k.value("train.sample_prompt").encode("utf-8"))
-    if _uses(k, "A") and 1 + prompt_bytes + k.value("train.sample_tokens") > k.value("model.attention.max_seq_len"):
-        raise k.error_among(("train.sample_tokens", "model.attention.max_seq_len", "train.sample_prompt"),
-                            f"BOS + the prompt ({prompt_bytes} bytes) + sample_tokens exceeds max_seq_len, "
-                            "the longest attention cache the end-of-run sample can use")
 
 
 def _seeds_sum(k: Keys) -> None:
@@ -110,8 +106,8 @@ def _lr_scales_name_used_kinds(k: Keys) -> None:
                             "the `dense` preset is `small` with pattern AF and no factors)")
 
 
-RULES: tuple[Rule, ...] = (_seq_len_fits_rope, _mtp_within_seq_len, _sample_fits_decode_cache, _seeds_sum,
-                           _schedule_fits_run, _lr_scales_name_used_kinds)
+RULES: tuple[Rule, ...] = (_seq_len_fits_rope, _mtp_within_seq_len, _seeds_sum, _schedule_fits_run,
+                           _lr_scales_name_used_kinds)
 
 
 # ---------------------------------------------------------------- entry point

@@ -198,12 +198,25 @@ def test_qkv_split_sizes_hint_and_init() -> None:
     assert torch.equal(module(rand(15, 1, 5, D_MODEL)), torch.zeros(1, 5, D_MODEL))  # zero out proj
 
 
-def test_max_seq_len_is_enforced() -> None:
+def test_max_seq_len_is_enforced_for_the_forward() -> None:
     module = make(21, max_seq_len=8)
     with pytest.raises(ValueError, match="max_seq_len"):
         module(rand(22, 1, 9, D_MODEL))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        module.init_cache(1, max_len=9, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("heads", GQA)
+def test_tier3_decode_past_the_rope_tables_equals_the_reference(heads: tuple[int, int]) -> None:
+    """A decode cache longer than max_seq_len carries longer tables: 13 steps through tables of 5 rows
+    against the float64 reference (which has no tables), and the module's own tables are left alone."""
+    module = make(25, *heads, max_seq_len=5)
+    x = rand(26, 2, 13, D_MODEL)
+    cache = module.init_cache(2, max_len=13, device="cpu", dtype=torch.float32)
+    steps = torch.cat([module.forward_step(x[:, i : i + 1], cache) for i in range(13)], dim=1)
+    assert_fp32_close(steps, reference_attention(module, x))
+    assert module.rope_cos.shape == (5, 4) and cache["rope_cos"].shape == (13, 4)
+    assert torch.equal(cache["rope_cos"][:5], module.rope_cos) and torch.equal(cache["rope_sin"][:5], module.rope_sin)
+    short = module.init_cache(2, max_len=5, device="cpu", dtype=torch.float32)
+    assert short["rope_cos"] is module.rope_cos  # no copy when the module's tables are long enough
 
 
 def test_tier1_meta_device_build_then_reset_equals_eager_build() -> None:

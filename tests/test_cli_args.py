@@ -15,7 +15,7 @@ from megacpp.config import Config
 from megacpp.data.config import DataConfig
 from megacpp.data.corpus import discover_corpus
 from megacpp.data.tokenizer import train_tokenizer
-from megacpp.infer.session import Session
+from megacpp.infer.session import Session, load_session
 from megacpp.train.loop import Trainer
 from tests.helpers import tiny_train_config, write_corpus
 
@@ -133,13 +133,19 @@ def test_tier1_settings_a_checkpoint_command_would_ignore_are_refused(run_dir, c
     assert snapshot(run_dir) == before
 
 
-def test_prompt_longer_than_the_context_names_both_lengths(run_dir, capsys):
+def test_tier2_a_prompt_and_tokens_past_the_rope_tables_sample(run_dir, capsys):
+    """The model's RoPE tables have 64 rows (max_seq_len); the decode cache grows its own, so a longer prompt
+    (it refused it before issue 36) or more tokens sample, the same text twice, and nothing on disk changes."""
     before = snapshot(run_dir)
-    err = fails(["sample", "--checkpoint", str(run_dir), "--prompt", "int x; " * 80, "--tokens", "1"], capsys, 2)
-    assert "--prompt is" in err and "tokens with BOS, longer than the model's context" in err
-    assert "max_seq_len" in err and "64 tokens" in err
-    err = fails(["sample", "--checkpoint", str(run_dir), "--prompt", "int ", "--tokens", "100"], capsys, 2)
-    assert "+ --tokens 100 exceed the model's context" in err and "64 tokens; use --tokens" in err
+    prompt = "int x; " * 40
+    outputs = []
+    for _ in range(2):
+        assert main(["sample", "--checkpoint", str(run_dir), "--prompt", prompt, "--tokens", "30", "--seed", "2",
+                     "--train.device", "cpu"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith(prompt)
+    session = load_session(run_dir, Config())
+    assert session.config.model.attention.max_seq_len == 64 and len(session.prompt_ids(prompt)) > 64
     assert snapshot(run_dir) == before
 
 

@@ -13,6 +13,9 @@ SOURCE_EXTENSIONS = [
 ]
 
 JsonlErrors = Literal["skip", "raise"]  # skip: count bad lines in the summary | raise: error naming file:line
+# What one document is: a file, the files of one directory, or the files of one repository, joined in
+# include order (megacpp.data.repository).
+DocumentMode = Literal["file", "directory", "repository"]
 
 # Special tokens; a byte-level vocabulary needs 256 byte tokens besides these.
 MIN_VOCAB_SIZE = 256 + 3
@@ -37,6 +40,12 @@ class DataConfig(ConfigSection):
     # Per-document UTF-8 size limits; the default cap drops a few multi-MB generated headers.
     min_bytes: int = 16
     max_bytes: int = 1_000_000
+    documents: DocumentMode = "file"
+    # A joined document is cut at file boundaries into parts of at most this many bytes (a longer file is a
+    # part alone). Split, dedup and shuffle work per part: whole, torch's headers (one tree, 34.8 MB) would
+    # be one document, all train or all val. 256 KiB is ~77K tokens at 3.4 bytes/token, more than a row
+    # of 65,536, and cuts torch's headers into 137 parts.
+    max_document_bytes: int = 262_144
     val_fraction: float = 0.01  # by content hash, so independent of file order
     vocab_size: int = 4096
     # Training-split bytes the BPE trainer sees (~4 s on 2 cores; the whole 34 MB split compresses
@@ -58,6 +67,7 @@ class DataConfig(ConfigSection):
         return {
             "min_bytes": NON_NEGATIVE,
             "max_bytes": NON_NEGATIVE,
+            "max_document_bytes": AT_LEAST_1,
             "val_fraction": BELOW_1,  # 1 would leave nothing to train on
             "vocab_size": Interval(MIN_VOCAB_SIZE),  # 256 byte tokens and the special tokens
             "tokenizer_sample_bytes": AT_LEAST_1,

@@ -1,9 +1,11 @@
 """Corpus discovery: files -> deduplicated UTF-8 documents with a hash-based train/val split."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import posixpath
 import stat
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megacpp.data.config import DataConfig
+from megacpp.data.repository import group_files, include_order, join_parts, repository_dirs
 from megacpp.data.system_corpus import SourceTree, default_corpus_root, system_trees
 from megacpp.errors import MegacppError
 
@@ -30,12 +33,23 @@ def is_val(doc_hash: str, val_fraction: float) -> bool:
 
 
 @dataclass(frozen=True)
+class DocumentFile:
+    """A file a document was read from, and where its text lies in the document's (character offsets)."""
+
+    path: Path
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Document:
-    source: str  # "root/rel/path" or "root/file.jsonl:LINE"
+    source: str  # "root/rel/path", "root/file.jsonl:LINE", or a joined unit "root/dir" (+ "#part")
     text: str
     hash: str
     nbytes: int
     split: str  # "train" | "val"
+    files: tuple[DocumentFile, ...] = ()  # none for a JSONL record
+    root: Path | None = None  # where its files' include paths start: the repository, else the corpus root
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class Corpus:
     hash: str  # identifies the kept documents, their order and split
     sources: list[SourceStats] = field(default_factory=list)  # per tree, for data.corpus = "system"
     unreadable_trees: list[str] = field(default_factory=list)  # trees that exist but cannot be listed
+    documents: str = "file"  # data.documents: what one document is
 
     def split(self, name: str) -> list[Document]:
         return [d for d in self.docs if d.split == name]
@@ -68,8 +83,9 @@ class Corpus:
     def summary(self) -> str:
         n_val = sum(d.split == "val" for d in self.docs)
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        mode = f" joined per {self.documents}" if self.documents != "file" else ""
         line = (
-            f"corpus {self.hash[:12]}: {self.files_seen} files, {len(self.docs)} docs "
+            f"corpus {self.hash[:12]}: {self.files_seen} files, {len(self.docs)} docs{mode} "
             f"(train {len(self.docs) - n_val} / val {n_val}), {self.nbytes / 1e6:.1f} MB; "
             f"skipped {sum(self.skipped.values())}: {skipped}"
         )
@@ -105,21 +121,42 @@ class _Filter:
             return True
         return False
 
-    def add(self, source: str, data: bytes) -> None:
+    def accept(self, data: bytes) -> tuple[str, str] | None:
+        """(text, content hash) of a file or record within the size limits, UTF-8 and not seen before."""
         if not self.size_ok(len(data)):
-            return
+            return None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             self.skipped["undecodable"] += 1
-            return
+            return None
+        h = content_hash(data)
+        if h in self.seen:
+            self.skipped["duplicate"] += 1
+            return None
+        self.seen.add(h)
+        return text, h
+
+    def add(self, source: str, data: bytes, path: Path | None = None, root: Path | None = None) -> None:
+        """One file (at `path`, under corpus root `root`) or JSONL record as one document."""
+        accepted = self.accept(data)
+        if accepted is not None:
+            text, h = accepted
+            files = (DocumentFile(path, 0, len(text)),) if path is not None else ()
+            self.docs.append(Document(source, text, h, len(data), self._split(h), files, root))
+
+    def add_joined(self, source: str, text: str, files: tuple[DocumentFile, ...], root: Path) -> None:
+        """A joined document: its files passed `accept` one by one; an identical joined text is a duplicate."""
+        data = text.encode("utf-8")
         h = content_hash(data)
         if h in self.seen:
             self.skipped["duplicate"] += 1
             return
         self.seen.add(h)
-        split = "val" if is_val(h, self.cfg.val_fraction) else "train"
-        self.docs.append(Document(source, text, h, len(data), split))
+        self.docs.append(Document(source, text, h, len(data), self._split(h), files, root))
+
+    def _split(self, doc_hash: str) -> str:
+        return "val" if is_val(doc_hash, self.cfg.val_fraction) else "train"
 
 
 def _list_files(
@@ -210,22 +247,67 @@ def _read_jsonl(label: str, f: BinaryIO, cfg: DataConfig, flt: _Filter) -> None:
         flt.add(f"{label}:{lineno}", data)
 
 
-def _read_file(label: str, path: Path, is_jsonl: bool, cfg: DataConfig, flt: _Filter) -> None:
-    """Add the documents of one file; unreadable and special files are counted, not raised."""
+def _read_file(label: str, path: Path, is_jsonl: bool, cfg: DataConfig, flt: _Filter, root: Path) -> None:
+    """Add the documents of one file (under corpus root `root`); unreadable and special files are counted,
+    not raised."""
+    if not is_jsonl:
+        data = _read_source(path, cfg, flt)
+        if data is not None:
+            flt.add(label, data, path, root)
+        return
     try:
         f = _open_regular(path)
         if f is None:
             flt.skipped["special_file"] += 1
             return
         with f:
-            if is_jsonl:
-                _read_jsonl(label, f, cfg, flt)
-            # fstat first so a huge file is rejected unread (JSONL limits are per record); the read
-            # is bounded too, for a file that grows after the fstat.
-            elif flt.size_ok(os.fstat(f.fileno()).st_size):
-                flt.add(label, f.read(cfg.max_bytes + 1))
+            _read_jsonl(label, f, cfg, flt)
     except OSError:
         flt.skipped["unreadable"] += 1
+
+
+def _read_source(path: Path, cfg: DataConfig, flt: _Filter) -> bytes | None:
+    """The bytes of one source file, or None when it is special, unreadable or too large (counted)."""
+    try:
+        f = _open_regular(path)
+        if f is None:
+            flt.skipped["special_file"] += 1
+            return None
+        with f:
+            # fstat first so a huge file is rejected unread; the read is bounded too, for a file that
+            # grows after the fstat.
+            if flt.size_ok(os.fstat(f.fileno()).st_size):
+                return f.read(cfg.max_bytes + 1)
+    except OSError:
+        flt.skipped["unreadable"] += 1
+    return None
+
+
+def _read_units(root: Path, label: str, files: list[tuple[str, Path]], jsonl_ext: set[str], cfg: DataConfig,
+                flt: _Filter) -> None:
+    """data.documents = directory | repository: the files under one corpus root, each through the usual
+    filters, joined per unit (megacpp.data.repository) and cut into parts of data.max_document_bytes.
+    JSONL records stay documents of their own."""
+    top = root if root.is_dir() else root.parent
+    texts: dict[str, str] = {}
+    for file_label, path in files:
+        if path.suffix.lower() in jsonl_ext:
+            _read_file(file_label, path, True, cfg, flt, top)
+            continue
+        data = _read_source(path, cfg, flt)
+        accepted = flt.accept(data) if data is not None else None
+        if accepted is not None:
+            texts[path.relative_to(top).as_posix()] = accepted[0]
+    repositories = repository_dirs(root) if cfg.documents == "repository" and root.is_dir() else set()
+    for unit in group_files(texts, cfg.documents, repositories):
+        unit_dir = top / unit.base
+        text_of = {rel: texts[posixpath.join(unit.base, rel) if unit.base else rel] for rel in unit.files}
+        order = include_order(text_of) if unit.joined else list(unit.files)
+        parts = join_parts([(rel, text_of[rel]) for rel in order], cfg.max_document_bytes)
+        name = f"{label}/{unit.name}" if unit.name else label
+        for number, part in enumerate(parts, start=1):
+            files_in = tuple(DocumentFile(unit_dir / f.path, f.start, f.end) for f in part.files)
+            flt.add_joined(name if len(parts) == 1 else f"{name}#{number}", part.text, files_in, unit_dir)
 
 
 def _corpus_hash(docs: list[Document]) -> str:
@@ -240,7 +322,7 @@ def _ensure_val(docs: list[Document], val_fraction: float) -> list[Document]:
     if val_fraction == 0 or len(docs) < 2 or any(d.split == "val" for d in docs):
         return docs
     pick = min(docs, key=lambda d: d.hash)
-    return [Document(d.source, d.text, d.hash, d.nbytes, "val") if d is pick else d for d in docs]
+    return [dataclasses.replace(d, split="val") if d is pick else d for d in docs]
 
 
 def _is_listable(path: Path) -> bool:
@@ -265,8 +347,11 @@ def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filte
         nested = frozenset(t.path for t in trees if t.path != tree.path and t.path.is_relative_to(tree.path))
         first_doc = len(flt.docs)
         files = _list_files(tree.path, suffixes, flt.skipped, tree.name, nested, tree.extensionless)
-        for label, path in files:
-            _read_file(label, path, False, cfg, flt)
+        if cfg.documents == "file":
+            for label, path in files:
+                _read_file(label, path, False, cfg, flt, tree.path)
+        else:
+            _read_units(tree.path, tree.name, files, set(), cfg, flt)
         kept = flt.docs[first_doc:]
         stats.append(SourceStats(tree.name, len(files), len(kept), sum(d.nbytes for d in kept)))
         files_seen += len(files)
@@ -295,12 +380,17 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
         jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
         files_seen = 0
         for root in roots:
-            for label, path in _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped):
-                files_seen += 1
-                _read_file(label, path, path.suffix.lower() in jsonl_ext, cfg, flt)
+            files = _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped)
+            files_seen += len(files)
+            if cfg.documents == "file":
+                top = root if root.is_dir() else root.parent
+                for label, path in files:
+                    _read_file(label, path, path.suffix.lower() in jsonl_ext, cfg, flt, top)
+            else:
+                _read_units(root, root.name, files, jsonl_ext, cfg, flt)
         exts = sorted(source_ext | text_ext | jsonl_ext)
     docs = _ensure_val(flt.docs, cfg.val_fraction)
-    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable)
+    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable, cfg.documents)
     if files_seen == 0:
         raise CorpusError(f"no corpus files with extensions {exts} under {[str(r) for r in roots]}")
     if not any(d.split == "train" for d in docs):

@@ -77,12 +77,21 @@ class ShardSet:
         """Identifies the token stream; a loader state is only valid for the same key."""
         return f"{self.corpus_hash}-{self.tokenizer_hash}"
 
+    def document_tokens(self) -> np.ndarray:
+        """int64 text tokens (BOS excluded) of every document, both splits."""
+        return np.concatenate([np.diff(s.offsets) - 1 for s in self.splits.values()])
+
     def summary(self) -> str:
         parts = [
             f"{s.name} {s.num_docs} docs {s.num_tokens:,} tokens ({s.bytes_per_token():.2f} B/token)"
             for s in self.splits.values()
         ]
         how = "cached" if self.from_cache else "built"
+        lengths = self.document_tokens()
+        if len(lengths):  # the tokens of the documents themselves: what a long context can read at once
+            median, p90 = np.percentile(lengths, [50, 90], method="lower")
+            parts.append(f"{len(lengths)} documents of median {median:,} tokens, 90th percentile {p90:,}, "
+                         f"longest {lengths.max():,}")
         return f"shards {how} at {self.dir}: " + "; ".join(parts)
 
 

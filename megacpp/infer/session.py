@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megacpp.config import Config
 from megacpp.data.baselines import Baselines
+from megacpp.data.corpus import discover_corpus
 from megacpp.data.tokenizer import CodeTokenizer
-from megacpp.errors import UsageError
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
 from megacpp.runtime.checkpoint import (
@@ -21,10 +21,12 @@ from megacpp.runtime.checkpoint import (
     latest_valid_checkpoint,
     load_checkpoint,
 )
-from megacpp.runtime.data import build_data
+from megacpp.runtime.cpp_syntax import Compiler, SyntaxReport, check_completions
+from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
 from megacpp.runtime.evaluate import evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
+from megacpp.runtime.position_curve import PositionCurve, position_curve
 
 
 @dataclass
@@ -34,21 +36,12 @@ class Session:
     config: Config
     checkpoint: Path
     device: torch.device
+    _data: DataBundle | None = field(default=None, repr=False)
 
-    def prompt_ids(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """BOS + the prompt's tokens; UsageError if prompt and new tokens do not fit the KV cache
-        (attention's RoPE tables have max_seq_len rows; models without attention have no such limit)."""
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
-        if "A" not in self.config.model.pattern:
-            return ids
-        context = self.config.model.attention.max_seq_len
-        where = f"the model's context (model.attention.max_seq_len of {self.checkpoint})"
-        if len(ids) > context:
-            raise UsageError(f"--prompt is {len(ids)} tokens with BOS, longer than {where}: {context} tokens")
-        if len(ids) + max_new_tokens > context:
-            raise UsageError(f"--prompt ({len(ids)} tokens with BOS) + --tokens {max_new_tokens} exceed {where}: "
-                             f"{context} tokens; use --tokens {context - len(ids)} or fewer")
-        return ids
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """BOS + the prompt's tokens, of any length: a decode cache longer than attention's RoPE tables
+        (model.attention.max_seq_len) computes the rows it needs."""
+        return [self.tokenizer.bos_id, *self.tokenizer.encode(prompt)]
 
     def stream(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
                ) -> Iterator[str]:
@@ -57,17 +50,35 @@ class Session:
         Training separates documents by BOS alone (the loader never emits EOS), so the model ends a
         document by predicting BOS: either special token stops the sample.
         """
-        ids = self.prompt_ids(prompt, max_new_tokens)
+        ids = self.prompt_ids(prompt)
         yield prompt
         tokens = generate_tokens(self.model, ids, max_new_tokens, temperature, top_k, seed,
                                  stop_id={self.tokenizer.bos_id, self.tokenizer.eos_id})
         yield from stream_text(self.tokenizer, tokens)
 
+    def data(self) -> DataBundle:
+        """The checkpoint's data with its own tokenizer, built on first use."""
+        if self._data is None:
+            data_cfg = dataclasses.replace(self.config.data, tokenizer_path=str(self.checkpoint / "tokenizer.json"))
+            self._data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+        return self._data
+
     def evaluate(self, batches: int) -> tuple[float, Baselines]:
         """Bits per byte on `batches` validation batches, and the baselines of the same split."""
-        data_cfg = dataclasses.replace(self.config.data, tokenizer_path=str(self.checkpoint / "tokenizer.json"))
-        data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+        data = self.data()
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
+
+    def position_curve(self, batches: int) -> PositionCurve:
+        """Bits per byte by position in the document over the same batches as `evaluate`, in the training's
+        micro-batches (a row of 65,536 tokens has logits of 8 GiB in fp32 at a 32K vocabulary)."""
+        return position_curve(self.model, self.data(), self.device, batches, self.config.train.micro_batch or None)
+
+    def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, context: int, timeout_s: float
+                   ) -> SyntaxReport:
+        """The syntax check of `n` completed functions of the validation split, prompts of at most `context`
+        tokens."""
+        docs = discover_corpus(self.config.data).split("val")
+        return check_completions(self.model, self.tokenizer, docs, n, compiler, context, max_new_tokens, timeout_s)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -32,7 +32,9 @@ class AttentionConfig(ConfigSection):
     n_kv_heads: int = 2
     head_dim: int = 32
     rope_theta: float = 10000.0
-    max_seq_len: int = 8192  # rows of the RoPE tables: longest training sequence or decode cache
+    # Rows of the RoPE tables: the longest training or evaluation row (the gate holds data.seq_len to it).
+    # Decoding is not bound by it: a longer decode cache carries its own longer tables.
+    max_seq_len: int = 8192
     qk_norm: bool = True
     softcap: float = 0.0  # 0 = off; else logits -> softcap * tanh(logits / softcap)
     qk_clip: QkClipMode = "off"
@@ -154,7 +156,7 @@ class Attention(nn.Module):
             kind = self.attention_mask_kind(x.device, segments.doc_ids is not None)
             segments = segments_of(segments.doc_ids, t, x.device, kind) if kind != "none" else segments
         # Each document starts at RoPE position 0.
-        q, k, v = self._project(x, segments.document_positions(t, x.device))
+        q, k, v = self._project(x, segments.document_positions(t, x.device), self.rope_cos, self.rope_sin)
         if self.cfg.qk_clip != "off":
             q = self._record_and_clip(q, k)
         y = attend(q, k, v, segments, self.cfg.softcap)
@@ -163,20 +165,33 @@ class Attention(nn.Module):
     def init_cache(
         self, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
     ) -> dict[str, Tensor]:
-        if max_len > self.cfg.max_seq_len:
-            raise ValueError(f"cache length {max_len} > AttentionConfig.max_seq_len={self.cfg.max_seq_len}")
+        """KV cache for `max_len` positions, with the RoPE tables it reads: the module's own when they
+        are long enough, else those rows followed by the missing ones (a prompt past max_seq_len). The
+        module is never changed, so a compiled training forward keeps its graphs."""
         shape = (batch_size, self.n_kv_heads, max_len, self.head_dim)
+        rope_cos, rope_sin = self._rope_tables(max_len)
         return {
             "k": torch.zeros(shape, device=device, dtype=dtype),
             "v": torch.zeros(shape, device=device, dtype=dtype),
             "pos": torch.zeros((), device=device, dtype=torch.int64),
+            "rope_cos": rope_cos,
+            "rope_sin": rope_sin,
         }
+
+    def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin tables of at least `length` rows; rows past the module's tables are computed here."""
+        rows = self.rope_cos.shape[0]
+        if length <= rows:
+            return self.rope_cos, self.rope_sin
+        cos, sin = rope_table(length, self.head_dim, self.cfg.rope_theta, start=rows)
+        device = self.rope_cos.device
+        return torch.cat([self.rope_cos, cos.to(device)]), torch.cat([self.rope_sin, sin.to(device)])
 
     def forward_step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
         """One token per row at position cache["pos"]; writes k/v there, attends over 0..pos, advances."""
         b = x.shape[0]
         pos = cache["pos"]
-        q, k, v = self._project(x, pos.view(1, 1))
+        q, k, v = self._project(x, pos.view(1, 1), cache["rope_cos"], cache["rope_sin"])
         keys, values = cache["k"], cache["v"]
         keys.index_copy_(2, pos.view(1), k.to(keys.dtype))
         values.index_copy_(2, pos.view(1), v.to(values.dtype))
@@ -188,15 +203,17 @@ class Attention(nn.Module):
         cache["pos"].add_(1)
         return self.proj(y.transpose(1, 2).reshape(b, 1, -1).to(q.dtype)).to(x.dtype)
 
-    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q (b, H, t, hd), k and v (b, Hkv, t, hd); QK-norm before RoPE. Norm and RoPE run on the
-        joint q|k slice (both are per-head ops) so they compile to one kernel, not two."""
+    def _project(self, x: Tensor, positions: Tensor, rope_cos: Tensor, rope_sin: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """q (b, H, t, hd), k and v (b, Hkv, t, hd); QK-norm before RoPE, rotated by the tables' rows at
+        `positions`. Norm and RoPE run on the joint q|k slice (both are per-head ops) so they compile to
+        one kernel, not two."""
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)
         if self.cfg.qk_norm:
             qk = F.rms_norm(qk, (self.head_dim,), eps=QK_NORM_EPS)
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        cos, sin = rope_cos[positions][:, None], rope_sin[positions][:, None]
         q, k = apply_rope(qk, cos, sin).to(v.dtype).split([self.n_heads, self.n_kv_heads], dim=1)
         return q, k, v
 
