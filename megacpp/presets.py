@@ -56,7 +56,9 @@ def small() -> Config:
     m.loss_kernel = "auto"
     # shared expert + top-2 of 16, each 1024 wide: 3 x 2 x 768 x 1024 = 4.7M active, d12's MLP size
     m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 16, 2, 1024
-    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 6, 64, 64
+    # Value width 16 (MegaCpp's own): on an H200 the R mixer takes 4.07 ms against 6.87 at 64, the whole
+    # step 3.8% less, at 0.4779 against 0.4827 bits/byte after 9.8M tokens (BENCHMARKS.md, quality).
+    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 6, 64, 16
     # At 8192 tokens on an H200 the R blocks' backward spiked to 2.2e4 without the cap and stayed <= 10
     # with it, at the same bits/byte per token (0.460 vs 0.465 at 15M tokens) and ~1% step time
     # (BENCHMARKS.md, issue 13).
