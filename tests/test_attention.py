@@ -65,11 +65,16 @@ def reference_qkv(module: Attention, x: Tensor, doc_ids: list[int] | None) -> tu
     return rope(q), rope(k), v
 
 
-def reference_bound(module: Attention, q: Tensor, k: Tensor) -> Tensor:
+def reference_row_bounds(module: Attention, q: Tensor, k: Tensor) -> Tensor:
+    """(b, H): each row's max |q_t| times its max |k_s| over the head's kv head, / sqrt(hd)."""
     kv_head = [h * module.n_kv_heads // module.n_heads for h in range(module.n_heads)]
-    q_max = q.norm(dim=-1).amax(dim=(0, 2))
-    k_max = k.norm(dim=-1).amax(dim=(0, 2))[kv_head]
+    q_max = q.norm(dim=-1).amax(dim=2)
+    k_max = k.norm(dim=-1).amax(dim=2)[:, kv_head]
     return q_max * k_max / math.sqrt(module.head_dim)
+
+
+def reference_bound(module: Attention, q: Tensor, k: Tensor) -> Tensor:
+    return reference_row_bounds(module, q, k).amax(dim=0)
 
 
 def reference_logits(module: Attention, q: Tensor, k: Tensor) -> Tensor:
@@ -82,7 +87,7 @@ def reference_attention(module: Attention, x: Tensor, doc_ids: list[int] | None 
     cfg, (b, t, _) = module.cfg, x.shape
     q, k, v = reference_qkv(module, x, doc_ids)
     if cfg.qk_clip == "activation":
-        q = q * (cfg.qk_clip_tau / reference_bound(module, q, k)).clamp(max=1.0)[None, :, None, None]
+        q = q * (cfg.qk_clip_tau / reference_row_bounds(module, q, k)).clamp(max=1.0)[:, :, None, None]
     logits = reference_logits(module, q, k)
     if cfg.softcap > 0:
         logits = cfg.softcap * torch.tanh(logits / cfg.softcap)
@@ -162,8 +167,13 @@ def test_tier3_logit_bound_is_brute_force_bound_and_above_true_max(heads: tuple[
     expected = reference_bound(module, q, k)
     assert module.logit_bound.dtype == torch.float32 and module.logit_bound.shape == (module.n_heads,)
     assert_fp32_close(module.logit_bound, expected)
-    true_max = reference_logits(module, q, k).amax(dim=(0, 2, 3))  # every (q, k) pair, causal or not
+    true_max = reference_logits(module, q, k).amax(dim=(0, 2, 3))  # every (q, k) pair of a row, causal or not
     assert torch.all(module.logit_bound.double() >= true_max)
+    # The batch's bound is the largest of its rows': any split of the rows gives the same (tier 1).
+    halves = [make(9, *heads, qk_norm=False, qk_clip="weight") for _ in range(2)]
+    for half, rows in zip(halves, (x[:1], x[1:]), strict=True):
+        half(rows)
+    assert torch.equal(torch.maximum(halves[0].logit_bound, halves[1].logit_bound), module.logit_bound)
 
 
 def test_tier3_activation_clip_caps_effective_logits() -> None:
@@ -176,7 +186,7 @@ def test_tier3_activation_clip_caps_effective_logits() -> None:
     q, k, _ = reference_qkv(module, x, None)
     raw_bound = reference_bound(module, q, k)
     assert torch.all(raw_bound > tau) and reference_logits(module, q, k).max() > tau
-    clipped_q = q * (tau / raw_bound).clamp(max=1.0)[None, :, None, None]
+    clipped_q = q * (tau / reference_row_bounds(module, q, k)).clamp(max=1.0)[:, :, None, None]
     assert reference_logits(module, clipped_q, k).max() <= tau * (1 + FP32_TOL)
     assert_fp32_close(module.logit_bound, raw_bound)  # the recorded bound is the pre-clip one
     assert_fp32_close(out, reference_attention(module, x))

@@ -12,6 +12,7 @@ import torch
 from megacpp import validate
 from megacpp.config import Config, ConfigError, to_dict
 from megacpp.distributed.context import DistContext
+from megacpp.distributed.stats import StatisticsReducer
 from megacpp.presets import preset
 from megacpp.run_config import from_dict, gate, load_config
 from megacpp.section import FrozenSectionError, is_frozen
@@ -21,6 +22,7 @@ from megacpp.train.guards import DIVERGED_STEPS, DivergenceError, DivergenceGuar
 from megacpp.train.plan import BatchPlan, trained_config
 from megacpp.train.profile import StepProfiler, split_trace
 from megacpp.train.votes import StopVotes
+from tests.helpers import tiny_train_config
 
 
 def test_the_gate_returns_a_frozen_copy_and_leaves_its_argument_alone():
@@ -188,3 +190,49 @@ def test_train_profile_steps_writes_a_trace_and_a_split_per_rank(tmp_path, small
     assert (tmp_path / "run" / "profile" / "rank0.trace.json").stat().st_size > 0
     (record,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "profile"]
     assert record["step"] == 5 and record["rank0"]["first"] == 4 and record["rank0"]["wall_ms"] > 0
+
+
+def test_tier1_a_steps_statistics_cover_its_whole_batch(tmp_path, small_corpus):
+    """Batch 4 run as micro-batches of 2: the MoE expert counts (sum) and the attention logit bounds
+    (max) after the step equal those of the batch run whole, bitwise, and the counts hold every routed
+    token of the batch (before, they held the last micro-batch's half); so does the selection bias the
+    counts moved."""
+    overrides = {"model.attention.qk_clip": "weight", "model.attention.qk_norm": "false", "train.steps": "2"}
+    stats = {}
+    for micro in ("0", "2"):
+        cfg = tiny_train_config(tmp_path / micro, small_corpus, **{**overrides, "train.micro_batch": micro})
+        trainer = loop.Trainer(cfg, log=lambda _line: None, progress=False)
+        trainer.train_step()
+        moe = [b.mixer for b in trainer.model.blocks if b.kind == "E"]
+        attention = [b.mixer for b in trainer.model.blocks if b.kind == "A"]
+        stats[micro] = ([m.tokens_per_expert.clone() for m in moe], [m.expert_bias.clone() for m in moe],
+                        [a.logit_bound.clone() for a in attention])
+        routed = 4 * cfg.data.seq_len * cfg.model.moe.top_k
+        assert all(int(m.tokens_per_expert.sum()) == routed for m in moe)
+        trainer.close()
+    for whole, split in zip(stats["0"], stats["2"], strict=True):
+        assert len(whole) > 0 and all(torch.equal(a, b) for a, b in zip(whole, split, strict=True))
+
+
+def test_statistics_fold_by_their_declared_reduction():
+    class Stats(torch.nn.Module):
+        reduced_buffers = {"count": "sum", "bound": "max"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(2, dtype=torch.long), persistent=False)
+            self.register_buffer("bound", torch.zeros(3), persistent=False)
+
+    module = Stats()
+    reducer = StatisticsReducer(module, _one_process())
+    reducer.begin_step(3)
+    for count, bound in (([1, 2], [0.5, 4.0, 1.0]), ([3, 0], [2.0, 1.0, 1.5]), ([0, 5], [1.0, 3.0, 0.25])):
+        module.count.copy_(torch.tensor(count))
+        module.bound.copy_(torch.tensor(bound))
+        reducer.after_forward()
+    reducer()
+    assert module.count.tolist() == [4, 7] and module.bound.tolist() == [2.0, 4.0, 1.5]
+    reducer.begin_step(2)
+    reducer.after_forward()
+    with pytest.raises(RuntimeError, match="statistics of 1 forward"):
+        reducer()

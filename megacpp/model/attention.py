@@ -197,7 +197,7 @@ class Attention(nn.Module):
         values.index_copy_(2, pos.view(1), v.to(values.dtype))
         if self.cfg.qk_clip == "activation":
             # Unwritten cache slots are zero, so the max key norm covers positions 0..pos only.
-            q = q * self._clip_factor(self._bound(q, keys)).to(q.dtype)
+            q = q * self._clip_factor(self._row_bounds(q, keys)).to(q.dtype)
         visible = (torch.arange(keys.shape[2], device=x.device) <= pos).view(1, 1, 1, -1)
         y = attend_masked(q.to(keys.dtype), keys, values, visible, self.cfg.softcap)
         cache["pos"].add_(1)
@@ -217,20 +217,23 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).to(v.dtype).split([self.n_heads, self.n_kv_heads], dim=1)
         return q, k, v
 
-    def _bound(self, q: Tensor, k: Tensor) -> Tensor:
-        """Per-head max_t |q_t| * max_s |k_s| / sqrt(hd) in fp32, max over batch and time (no sync)."""
-        q_max = q.float().norm(dim=-1).amax(dim=(0, 2))
-        k_max = k.float().norm(dim=-1).amax(dim=(0, 2))
-        return q_max * k_max.repeat_interleave(self.n_heads // self.n_kv_heads) * self.head_dim**-0.5
+    def _row_bounds(self, q: Tensor, k: Tensor) -> Tensor:
+        """(b, H) per row and head: max_t |q_t| * max_s |k_s| / sqrt(hd) in fp32 (no sync). A row's queries
+        meet only its own keys, so the largest of the rows' bounds bounds the batch's logits, and it is
+        the same however the batch is split into micro-batches or over ranks (a max of maxes)."""
+        q_max = q.float().norm(dim=-1).amax(dim=2)
+        k_max = k.float().norm(dim=-1).amax(dim=2)
+        return q_max * k_max.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) * self.head_dim**-0.5
 
-    def _clip_factor(self, bound: Tensor) -> Tensor:
-        """(1, H, 1, 1) detached min(1, tau / bound); a zero bound gives inf, clamped to 1."""
-        return (self.cfg.qk_clip_tau / bound).clamp(max=1.0).detach().view(1, -1, 1, 1)
+    def _clip_factor(self, row_bounds: Tensor) -> Tensor:
+        """(b, H, 1, 1) detached min(1, tau / bound), each row by its own bound; a zero bound gives inf,
+        clamped to 1."""
+        return (self.cfg.qk_clip_tau / row_bounds).clamp(max=1.0).detach()[:, :, None, None]
 
     def _record_and_clip(self, q: Tensor, k: Tensor) -> Tensor:
-        bound = self._bound(q, k)
-        self.logit_bound.copy_(bound.detach())
+        rows = self._row_bounds(q, k)
+        self.logit_bound.copy_(rows.amax(dim=0).detach())
         if self.cfg.qk_clip == "activation":
-            q = q * self._clip_factor(bound).to(q.dtype)
+            q = q * self._clip_factor(rows).to(q.dtype)
         return q
 

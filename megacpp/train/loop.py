@@ -416,11 +416,13 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         last_batch = None
         loss_read = None
+        self.reduce_statistics.begin_step(plan.micro_steps)
         for accum in range(plan.grad_accum):
             pieces = plan.split(next(self.data.loader))
             for index, (x, y, doc_ids) in enumerate(pieces):
                 with autocast_context(self.device):
                     loss = self.model(x, y, doc_ids) / plan.micro_steps
+                self.reduce_statistics.after_forward()
                 total += loss.detach()
                 last_batch = (x, doc_ids)
                 if accum == plan.grad_accum - 1 and index == len(pieces) - 1:
