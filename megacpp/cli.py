@@ -106,14 +106,14 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.train.report import run_summary
 
     result = train(cfg, resume=args.resume, progress=not args.no_progress, attempt=attempt_from_env())
-    if result.rank == 0 and result.val_bpb is not None:  # None: nothing was trained (already said why)
+    if result.rank == 0 and result.evaluation is not None:  # None: nothing was trained (already said why)
         print(run_summary(result))
     return 0
 
 
 def _check_eval_args(args: argparse.Namespace) -> None:
-    if args.batches < 1:
-        raise UsageError(f"--batches {args.batches}: must be >= 1")
+    if args.batches < 0:
+        raise UsageError(f"--batches {args.batches}: must be >= 0 (0 = the whole validation split)")
     if args.out is not None and not args.by_position:
         raise UsageError(f"--out {args.out}: only --by-position writes a file (add --by-position)")
     if args.cpp_syntax < 0:
@@ -170,8 +170,8 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     session = load_session(args.checkpoint or cfg.train.out_dir, cfg)
     cpp_tokens = _cpp_tokens(args, session.config.data.seq_len) if compiler is not None else 0
     cpp_context = args.cpp_context or session.config.data.seq_len - cpp_tokens
-    bpb, baselines = session.evaluate(args.batches)
-    print(eval_summary(bpb, baselines, session.checkpoint))
+    evaluation, baselines = session.evaluate(args.batches)
+    print(eval_summary(evaluation, baselines, session.checkpoint))
     if args.by_position:
         from megacpp.runtime.position_curve import default_curve_path
 
@@ -219,6 +219,7 @@ def cmd_data_prepare(args: argparse.Namespace, cfg: Config) -> int:
     from megacpp.runtime.data import build_data
 
     data = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, "cpu", print)
+    print(data.baselines.summary())
     print(f"ready: tokenizer {data.tokenizer_hash[:12]}, shards at {data.shards.dir}")
     return 0
 
@@ -305,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("eval", cmd_eval, "bits per byte of a checkpoint on the validation split")
     p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")
-    p.add_argument("--batches", type=int, default=32, help="validation batches to evaluate (default 32)")
+    p.add_argument("--batches", type=int, default=0,
+                   help="validation batches to evaluate (default 0: the whole split, the text the baselines cover)")
     p.add_argument("--by-position", action="store_true",
                    help="also bits/byte by position in the document (1-64, 65-128, ... tokens of context): "
                    "a table, and JSON written to --out or RUN/position_curve-<checkpoint>.json")

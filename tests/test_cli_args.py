@@ -53,7 +53,7 @@ def fails(args: list[str], capsys, code: int) -> str:
     (["sample", "--temperature", "inf"], "--temperature inf: must be a finite number >= 0"),
     (["sample", "--top-k", "-1"], "--top-k -1: must be >= 0"),
     (["sample", "--prompt", "int \udcff x"], "--prompt is not valid UTF-8 text: character 4"),
-    (["eval", "--batches", "0"], "--batches 0: must be >= 1"),
+    (["eval", "--batches", "-1"], "--batches -1: must be >= 0 (0 = the whole validation split)"),
 ])
 def test_out_of_range_arguments_fail_before_loading(run_dir, capsys, args, message):
     before = snapshot(run_dir)

@@ -77,7 +77,7 @@ def test_tier3_buckets_equal_the_definition_and_add_up_to_evaluate_bpb(run):
     with torch.no_grad():
         curve = position_curve(session.model, data, session.device, BATCHES)
         reference = reference_buckets(session.model, data, bucket_bounds(160))
-        expected_bpb = evaluate_bpb(session.model, data, session.device, BATCHES)
+        expected_bpb = evaluate_bpb(session.model, data, session.device, BATCHES).bpb
     assert [(b.first, b.last) for b in curve.buckets] == [(1, 64), (65, 128), (129, 160)]
     assert curve.batches == BATCHES
     for bucket, (nats, nbytes, tokens) in zip(curve.buckets, reference, strict=True):

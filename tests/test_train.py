@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megacpp.cli import main
+from megacpp.config import Config
 from megacpp.data.baselines import BASELINES_FILE
 from megacpp.runtime.checkpoint import list_checkpoints
 from megacpp.train.guards import NonFiniteLossError
@@ -191,7 +192,29 @@ def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, 
     from megacpp.runtime.evaluate import evaluate_bpb
 
     expected = evaluate_bpb(trainer.model, trainer.data, trainer.device, 2)
-    assert abs(reported - expected) < 5e-5  # printed with 4 decimals; the same batches and weights
+    assert abs(reported - expected.bpb) < 5e-5  # printed with 4 decimals; the same batches and weights
+    assert f"over {expected.tokens:,} tokens (" in out and "of the validation split)" in out
+
+
+def test_the_runs_validation_figure_is_eval_figure_on_the_whole_split(tmp_path, small_corpus, capsys):
+    """By default training evaluates the whole validation split, the text its baselines cover: the last
+    figure of metrics.jsonl, the summary line and `megacpp eval` on the final checkpoint are one number
+    over the same tokens, and each says it covers the whole split."""
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "3", "train.eval_batches": "0",
+                                                       "train.ckpt_every": "3", "train.eval_every": "3"})
+    result = Trainer(cfg, log=_quiet, progress=False).run()
+    (val,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
+    assert val["val_whole_split"] is True and val["val_tokens"] == result.evaluation.tokens > 0
+    assert val["val_bpb"] == result.evaluation.bpb
+    from megacpp.infer.session import load_session
+
+    evaluation, _ = load_session(tmp_path / "run", Config()).evaluate()
+    assert evaluation == result.evaluation
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"validation bits per byte: {result.evaluation.bpb:.4f} over {evaluation.tokens:,} tokens (the whole " \
+           "validation split)" in out
+    assert out.count("baselines on the validation split") == 1
 
 
 def test_config_problems_are_reported_before_any_data_work(tmp_path, capsys):
@@ -214,10 +237,11 @@ def test_summary_eval_and_metrics_show_the_baselines_beside_validation_bits_per_
     out = capsys.readouterr().out
     [cache_file] = (tmp_path / "cache").rglob(BASELINES_FILE)
     figures = json.loads(cache_file.read_text())["baselines"]
-    expected = (f"(baselines on the validation split: unigram {figures['unigram_bpb']:.3f}, "
+    expected = (f"(baselines on the whole validation split: unigram {figures['unigram_bpb']:.3f}, "
                 f"xz {figures['xz_bpb']:.3f}, xz given train {figures['xz_given_train_bpb']:.3f})")
     done = next(line for line in out.splitlines() if line.startswith("done: 2 steps, validation "))
-    assert expected in done
+    assert expected in done and " tokens (" in done and "of the validation split)" in done  # eval_batches 2
+    assert out.count("baselines on the validation split (") == 1, "the baselines line is printed once"
     assert "note: a CPU run is a smoke test" in out and "on one H200 the `small` preset reaches" in out
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert {k: v for k, v in baselines_of(records).items() if k not in ("step", "kind")} == figures

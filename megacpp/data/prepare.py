@@ -96,6 +96,4 @@ def prepare_data(
     if log:
         log(shards.summary())
     baselines = load_or_compute_baselines(corpus, shards, cfg.baseline_context_bytes, log)
-    if log:
-        log(baselines.summary())
     return PreparedData(corpus, tok, shards, baselines)

@@ -24,7 +24,7 @@ from megacpp.runtime.checkpoint import (
 from megacpp.runtime.cpp_syntax import Compiler, SyntaxReport, check_completions
 from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
-from megacpp.runtime.evaluate import evaluate_bpb
+from megacpp.runtime.evaluate import Evaluation, evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
 from megacpp.runtime.position_curve import PositionCurve, position_curve
 
@@ -63,8 +63,9 @@ class Session:
             self._data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
         return self._data
 
-    def evaluate(self, batches: int) -> tuple[float, Baselines]:
-        """Bits per byte on `batches` validation batches, and the baselines of the same split."""
+    def evaluate(self, batches: int = 0) -> tuple[Evaluation, Baselines]:
+        """Bits per byte on the whole validation split (or its first `batches` batches), and the baselines
+        of the split."""
         data = self.data()
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
 

@@ -37,12 +37,20 @@ class DataBundle:
     def tokenizer_json(self) -> bytes:
         return Path(self.tokenizer.path).read_bytes()
 
-    def val_batches(self, max_batches: int) -> Iterator[ValBatch]:
+    def val_batches(self, max_batches: int = 0) -> Iterator[ValBatch]:
         """The same fixed validation batches on every call: this rank's rows of `max_batches` global
-        batches (the same number of batches on every rank)."""
-        return iter(ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches,
-                              rank=self.rank, world_size=self.world_size, device=self.device,
-                              pin_memory=self.device.type == "cuda"))
+        batches (the same number of batches on every rank); 0: every row of the split."""
+        return iter(self._val_loader(max_batches))
+
+    def covers_whole_val_split(self, max_batches: int) -> bool:
+        """Whether `val_batches(max_batches)` reads every row of the split."""
+        loader = self._val_loader(max_batches)
+        return loader.num_rows == loader.rows_per_epoch
+
+    def _val_loader(self, max_batches: int) -> ValLoader:
+        return ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches or None,
+                         rank=self.rank, world_size=self.world_size, device=self.device,
+                         pin_memory=self.device.type == "cuda")
 
 
 def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device | str,

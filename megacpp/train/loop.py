@@ -293,6 +293,7 @@ class Trainer:
                              f"{tc.steps}")
                     break
             self._expect_progress(watchdog, "the final sample")
+            bar.close()  # the sample's lines begin on a line of their own, not on the bar's
             sample = end_of_run_sample(self.model, self.data.tokenizer, tc, ctx, self.out_dir, self.log,
                                        stop=self.votes.interrupt_requested)
             if sample is None:  # Ctrl-C cut it short; the last step's checkpoint is written
@@ -314,7 +315,7 @@ class Trainer:
             self.health.close()
         if ctx.is_main:
             self.log(f"loss curve: {plot_loss(metrics.path, self.out_dir / 'loss.png')}")
-        return TrainResult(self.out_dir, self.step, self.losses, records.val_bpb, self.data.baselines, checkpoint,
+        return TrainResult(self.out_dir, self.step, self.losses, records.evaluation, self.data.baselines, checkpoint,
                            sample, ctx.rank, self.device.type, out_of_time, spike_summary(records.norm_history))
 
     def _nothing_to_train(self) -> TrainResult:
@@ -362,18 +363,18 @@ class Trainer:
         self._expect_progress(watchdog, f"evaluation at step {self.step}")
         elapsed = self.votes.elapsed()  # before the evaluation: the time it took to get here
         interrupted_before = self.votes.interrupt_requested()
-        val_bpb = None if interrupted_before else evaluate_bpb(
+        evaluation = None if interrupted_before else evaluate_bpb(
             self.model, self.data, self.device, self.cfg.train.eval_batches, self.ctx, self.batch.micro_batch,
             stop=self.votes.interrupt_requested)
-        if val_bpb is None:
+        if evaluation is None:
             self._stop_interrupted(watchdog, None, None if interrupted_before else "the evaluation",
                                    redo="its final evaluation was skipped: `megacpp eval --checkpoint {path}` "
                                         "runs it")
         if records.metrics is not None:
-            records.metrics.log(self.step, "val", {"val_bpb": val_bpb,
+            records.metrics.log(self.step, "val", {**evaluation.record(),
                                                    "tokens": self.step * self.batch.tokens_per_step,
                                                    "elapsed_s": elapsed})
-        records.show_validation(val_bpb)
+        records.show_validation(evaluation)
 
     def _check_replicas(self) -> None:
         """State every rank holds whole must be identical (buffers such as MoE biases, loader, schedule).

@@ -95,11 +95,21 @@ def baselines_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return found[-1] if found else None
 
 
+def _validation_label(record: dict[str, Any]) -> str:
+    """What the validation points cover: the whole split the baselines cover, or a share of it."""
+    tokens, split = record.get("val_tokens"), record.get("val_split_tokens")
+    if tokens is None:  # a run from before the records said so
+        return "validation"
+    share = "whole split" if record.get("val_whole_split") else f"{tokens / max(split, 1):.0%} of the split"
+    return f"validation ({tokens:,} tokens, {share})"
+
+
 def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path:
     """Training loss, and validation bits-per-byte against step with the run's baselines as lines."""
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and "loss" in r]
-    val = [(r["step"], r["val_bpb"]) for r in records if r["kind"] == "val" and "val_bpb" in r]
+    val_records = [r for r in records if r["kind"] == "val" and "val_bpb" in r]
+    val = [(r["step"], r["val_bpb"]) for r in val_records]
     fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(11, 4))
     if train:
         steps, losses = zip(*train, strict=True)
@@ -109,7 +119,7 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path:
         ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="train loss (nats/token)", title="training loss")
     if val:
-        ax_bpb.plot(*zip(*val, strict=True), marker="o", label="validation")
+        ax_bpb.plot(*zip(*val, strict=True), marker="o", label=_validation_label(val_records[-1]))
     baselines = baselines_of(records)
     for key, label, style in BASELINE_LINES if baselines else ():
         if key in baselines:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from megacpp.runtime.evaluate import Evaluation
 from megacpp.train.grad_norms import NormHistory, PartGradNorms
 from megacpp.train.guards import DivergenceGuard
 from megacpp.train.metrics import MetricsLogger
@@ -47,7 +48,7 @@ class StepRecords:
         self.log_every = log_every
         self.norm_history = NormHistory()  # for the end-of-run line
         self.postfix: dict[str, str] = {}
-        self.val_bpb: float | None = None  # the last evaluation's, shown on the bar
+        self.evaluation: Evaluation | None = None  # the last one, shown on the bar
         self._pending: PendingRecord | None = None
 
     def start(self, step: int, final: bool, host: dict[str, float], on_device: dict[str, Tensor | float],
@@ -79,9 +80,9 @@ class StepRecords:
                 self._write(self._pending, check=False)
             self._pending = None
 
-    def show_validation(self, val_bpb: float) -> None:
-        self.val_bpb = val_bpb
-        self.bar.set_postfix({**self.postfix, "val_bpb": f"{val_bpb:.3f}"}, refresh=False)
+    def show_validation(self, evaluation: Evaluation) -> None:
+        self.evaluation = evaluation
+        self.bar.set_postfix({**self.postfix, "val_bpb": f"{evaluation.bpb:.3f}"}, refresh=False)
 
     def _write(self, pending: PendingRecord, check: bool = True) -> None:
         """Check a step for divergence (``check``), log its record and advance the progress bar."""
@@ -100,8 +101,8 @@ class StepRecords:
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tok_per_s']:,.0f}"}
         if "mfu" in record:
             postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-        if self.val_bpb is not None:
-            postfix["val_bpb"] = f"{self.val_bpb:.3f}"
+        if self.evaluation is not None:
+            postfix["val_bpb"] = f"{self.evaluation.bpb:.3f}"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
         self.postfix = postfix

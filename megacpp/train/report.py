@@ -7,6 +7,7 @@ from pathlib import Path
 
 from megacpp.data.baselines import Baselines
 from megacpp.errors import Interrupted
+from megacpp.runtime.evaluate import Evaluation
 
 
 @dataclass
@@ -15,7 +16,7 @@ class TrainResult:
     out_dir: Path
     step: int
     losses: list[float]
-    val_bpb: float | None
+    evaluation: Evaluation | None  # the last validation figure, None when nothing was trained
     baselines: Baselines
     checkpoint: Path | None
     sample: str
@@ -30,15 +31,17 @@ GPU_REFERENCE = ("on one H200 the `small` preset reaches 0.70 bits/byte after 1.
                  "29.5M tokens (900 steps, under 4 minutes) on that machine's torch headers; BENCHMARKS.md")
 
 
-def beside_baselines(bpb: float, baselines: Baselines) -> str:
-    """``validation X bits/byte (baselines on the validation split: ...)``."""
-    return f"validation {bpb:.4f} bits/byte (baselines on the validation split: {baselines.short()})"
+def beside_baselines(evaluation: Evaluation, baselines: Baselines) -> str:
+    """``validation X bits/byte over N tokens (...) (baselines on the whole validation split: ...)``: the
+    baselines always cover the whole split, and the figure says how much of it it covers."""
+    return (f"validation {evaluation.bpb:.4f} bits/byte {evaluation.coverage()} (baselines on the whole "
+            f"validation split: {baselines.short()})")
 
 
 def run_summary(result: TrainResult) -> str:
     """The end-of-run lines; a CPU run says plainly that it is a smoke test."""
     why = " (train.time_budget_s spent)" if result.out_of_time else ""
-    lines = [f"done: {result.step} steps{why}, {beside_baselines(result.val_bpb, result.baselines)}; "
+    lines = [f"done: {result.step} steps{why}, {beside_baselines(result.evaluation, result.baselines)}; "
              f"checkpoint {result.checkpoint}"]
     if result.grad_spikes:
         lines.append(result.grad_spikes)
@@ -48,8 +51,9 @@ def run_summary(result: TrainResult) -> str:
     return "\n".join(lines)
 
 
-def eval_summary(bpb: float, baselines: Baselines, checkpoint: Path) -> str:
-    return f"validation bits per byte: {bpb:.4f}  ({checkpoint})\n{baselines.summary()}"
+def eval_summary(evaluation: Evaluation, baselines: Baselines, checkpoint: Path) -> str:
+    return (f"validation bits per byte: {evaluation.bpb:.4f} {evaluation.coverage()}  ({checkpoint})\n"
+            f"{baselines.summary()}")
 
 
 def interruption(step: int, steps: int, checkpoint: Path, just_saved: bool, during: str | None = None,
