@@ -253,7 +253,9 @@ def test_an_edited_meta_json_is_detected_and_resume_skips_it(tmp_path):
     ({"data.seq_len": "16"}, "data.seq_len: checkpoint 32 vs now 16"),
     ({"model.d_model": "48"}, "model.d_model: checkpoint 32 vs now 48"),
     ({"model.pattern": "AEMRF"}, "model.pattern: checkpoint 'AEMFR' vs now 'AEMRF'"),
-    ({"train.batch_size": "2"}, "written with a global batch of 4 sequences"),
+    ({"train.batch_size": "2"}, "written with 4 rows per optimizer step (1 rank(s) x train.batch_size x "
+                                "train.grad_accum), this run has 2 (1 x 2 x 1)"),
+    ({"train.grad_accum": "3"}, "written with 4 rows per optimizer step"),
     ({"data.vocab_size": "320"}, "data.vocab_size: checkpoint 300 vs now 320: the tokenizer would be trained"),
     ({"train.seed": "1"}, "train.seed + data.shuffle_seed: checkpoint 1337 + 0 vs now 1 + 0"),
 ])
@@ -269,6 +271,38 @@ def test_an_incompatible_resume_is_named_before_data_preparation_and_anything_wr
     assert named in line and str(list_checkpoints(finished_run)[0]) in line
     assert not fresh_cache.exists(), "refused before the corpus and tokenizer work"
     assert _snapshot(finished_run) == before
+
+
+def test_a_resume_with_the_same_rows_per_step_reads_the_same_rows(tmp_path, small_corpus):
+    """Batch 4 for 3 steps, resumed as batch 2 x 2 accumulated: ranks x batch_size x grad_accum is kept, so
+    steps 4-6 read exactly the rows an uninterrupted batch-4 run reads (torch.equal), although the loader's
+    own global batch changed from 4 to 2."""
+    def training_rows(run_dir, resume=False, **overrides):
+        seen = []
+        cfg = tiny_train_config(run_dir, small_corpus, **{"train.steps": "6", "train.ckpt_every": "3", **overrides})
+        trainer = Trainer(cfg, log=_quiet, progress=False)
+        trainer.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()) if m.training else None)
+        if not resume:
+            original = trainer.train_step
+
+            def stop_after_three():
+                if trainer.step == 3 and run_dir.name == "b":
+                    raise KeyboardInterrupt
+                return original()
+
+            trainer.train_step = stop_after_three
+        try:
+            trainer.run(resume=resume)
+        except KeyboardInterrupt:
+            pass
+        return torch.cat(seen)
+
+    straight = training_rows(tmp_path / "a")
+    assert straight.shape[0] == 6 * 4
+    training_rows(tmp_path / "b")
+    resumed = training_rows(tmp_path / "b", resume=True, **{"train.batch_size": "2", "train.grad_accum": "2"})
+    assert resumed.shape[0] == 3 * 4
+    assert torch.equal(resumed, straight[3 * 4:])
 
 
 def test_a_compatible_resume_against_a_fresh_cache_prepares_the_data_and_continues(

@@ -17,7 +17,7 @@ from megacpp.config import Config, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
 from megacpp.runtime.checkpoint import CheckpointError, read_meta
-from megacpp.train.resume_rules import check_compatible, check_resume_settings
+from megacpp.train.resume_rules import check_compatible, check_resume_settings, rows_per_step
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
 
@@ -104,6 +104,12 @@ class RunDirectory:
                      "the model is computed or bounded, not its weights")
         check_compatible(read_meta(path), model_cfg, tokenizer_hash, path, self.cfg.data.seq_len)
         return dist_checkpoint.load(self.ctx, path, model, moments)
+
+    def loader_may_change_batch(self, meta: dict[str, Any]) -> bool:
+        """Whether the loader may continue a checkpoint written at another global batch: when the user
+        allows it, or when the rows per optimizer step are the same (the same rows in every step)."""
+        rows, saved_rows = rows_per_step(meta, to_dict(self.cfg), self.ctx.world_size)
+        return self.cfg.dist.allow_global_batch_change or rows == saved_rows
 
     def save(self, step: int, model: nn.Module, moments: dict[str, Tensor], state: dict[str, Any],
              meta: dict[str, Any], tokenizer_json: Callable[[], bytes]) -> Path:

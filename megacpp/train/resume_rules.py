@@ -42,13 +42,13 @@ def check_resume_settings(meta: dict[str, Any], config: dict[str, Any], world_si
             "be trained to another vocabulary, which the weights' embeddings and the saved token stream do not "
             f"match; resume with --data.vocab_size {saved_vocab}")
     train, saved_train = config["train"], saved.get("train", {})
-    batch = world_size * train["batch_size"]
-    saved_batch = meta.get("global_batch", batch)
-    if saved_batch != batch and not config["dist"]["allow_global_batch_change"]:
+    rows, saved_rows = rows_per_step(meta, config, world_size)
+    if saved_rows != rows and not config["dist"]["allow_global_batch_change"]:
         raise CheckpointError(
-            f"{where}: written with a global batch of {saved_batch} sequences ({meta.get('world_size')} "
-            f"rank(s)), this run has {batch} ({world_size} x train.batch_size {train['batch_size']}): it would "
-            "read another token stream. Keep ranks x batch_size equal, or set dist.allow_global_batch_change = true")
+            f"{where}: written with {saved_rows} rows per optimizer step ({meta.get('world_size')} rank(s) x "
+            f"train.batch_size x train.grad_accum), this run has {rows} ({world_size} x {train['batch_size']} x "
+            f"{train['grad_accum']}): it would read another token stream. Keep ranks x batch_size x grad_accum "
+            "equal, or set dist.allow_global_batch_change = true")
     if "seed" in saved_train and "shuffle_seed" in saved_data:
         saved_seeds, seeds = (saved_train["seed"], saved_data["shuffle_seed"]), (train["seed"], data["shuffle_seed"])
         if sum(saved_seeds) != sum(seeds):
@@ -58,6 +58,17 @@ def check_resume_settings(meta: dict[str, Any], config: dict[str, Any], world_si
                 f"resumed run would read another token stream; resume with --train.seed {saved_seeds[0]} "
                 f"--data.shuffle_seed {saved_seeds[1]}")
     return changed
+
+
+def rows_per_step(meta: dict[str, Any], config: dict[str, Any], world_size: int) -> tuple[int, int]:
+    """(this run's, the checkpoint's) rows per optimizer step: ranks x batch_size x grad_accum. The loader
+    deals rows in one order for any global batch (megacpp.data.loader), so runs with equal rows per step
+    read the same rows in every step (e.g. 2 GPUs x 16 and 1 GPU x 16 x 2 accumulated); only the rows an
+    epoch's end drops differ, fewer than one global batch."""
+    train = config["train"]
+    rows = world_size * train["batch_size"] * train["grad_accum"]
+    saved_accum = meta.get("config", {}).get("train", {}).get("grad_accum", 1)
+    return rows, meta.get("global_batch", world_size * train["batch_size"]) * saved_accum
 
 
 def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path,
