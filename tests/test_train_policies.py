@@ -169,7 +169,7 @@ def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
 
 def test_the_profiled_window_starts_at_step_10_where_the_run_allows():
     def window(steps, total):
-        profiler = StepProfiler(steps, total, Path("run"), 0, torch.device("cpu"))
+        profiler = StepProfiler(steps, total, Path("run"), _one_process(), print)
         return profiler.first, profiler.last
 
     assert window(3, 100) == (10, 12)

@@ -13,7 +13,6 @@ attempt this process is).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 import traceback
@@ -63,7 +62,7 @@ from megacpp.train.interrupt import SigintFlag
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.plan import BatchPlan, trained_config
-from megacpp.train.profile import StepProfiler, StepSplit
+from megacpp.train.profile import StepProfiler
 from megacpp.train.readback import Readback
 from megacpp.train.recompute import apply_recompute
 from megacpp.train.records import StepRecords
@@ -253,7 +252,7 @@ class Trainer:
         out_of_time = False
         checkpoint: Path | None = None
         self.votes.start(after_warmup.enter_context(SigintFlag()))
-        profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx.rank, self.device)
+        profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx, self.log)
         try:
             t_last = time.perf_counter()
             while self.step < tc.steps:
@@ -262,8 +261,7 @@ class Trainer:
                 profiler.before_step(self.step + 1)
                 loss = self.train_step()
                 self.step += 1
-                if (split := profiler.after_step(self.step)) is not None:
-                    self._report_profile(split, metrics)
+                profiler.after_step(self.step, metrics)
                 if not self.health.warm:  # every compiled region has run once: a recompile is a regression now
                     compile_record = self._end_warmup(after_warmup)
                     if (line := self.attempt.first_step_line(self.batch.micro_batch)) is not None:
@@ -340,14 +338,6 @@ class Trainer:
             self.log(f"warmup done: process-group timeout now {self.cfg.dist.step_timeout_s:.0f} s")
         graphs = sum(r["graphs"] for r in summary["regions"].values())
         return {"graphs_per_rank": self.ctx.all_gather_objects(graphs)}
-
-    def _report_profile(self, split: StepSplit, metrics: MetricsLogger | None) -> None:
-        """Every rank's split of its profiled steps, in rank 0's log and metrics (megacpp.train.profile)."""
-        splits = self.ctx.all_gather_objects(split)
-        for each in splits:
-            self.log(each.line())
-        if metrics is not None:
-            metrics.log(self.step, "profile", {f"rank{s.rank}": dataclasses.asdict(s) for s in splits})
 
     def _record_step(self, records: StepRecords, loss: float, tok_s: float, final: bool) -> None:
         host = {"loss": loss, "tok_per_s": tok_s, "tok_per_s_per_gpu": tok_s / self.ctx.world_size,

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from megacpp.distributed.context import DistContext
+from megacpp.train.metrics import MetricsLogger
 
 FIRST_STEP = 3  # step 1 compiles the model, step 2 the optimizer's first compiled step
 # Steps 3-5 of `small` on 2 H200s took 113 ms against a steady 73 ms (allocator growth, lazy inits):
@@ -108,13 +111,16 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
 
 
 class StepProfiler:
-    """Profiles ``steps`` consecutive steps of a run of ``total_steps`` (nothing when ``steps`` is 0)."""
+    """Profiles ``steps`` consecutive steps of a run of ``total_steps`` (nothing when ``steps`` is 0) and
+    reports every rank's split in rank 0's log and metrics."""
 
-    def __init__(self, steps: int, total_steps: int, out_dir: Path, rank: int, device: torch.device) -> None:
+    def __init__(self, steps: int, total_steps: int, out_dir: Path, ctx: DistContext,
+                 log: Callable[[str], None]) -> None:
         self.first = max(FIRST_STEP, min(SETTLED_STEP, total_steps - steps + 1))
         self.last = self.first + steps - 1
         self.active = steps > 0
-        self.out_dir, self.rank, self.device = out_dir, rank, device
+        self.out_dir, self.ctx, self.log = out_dir, ctx, log
+        self.rank, self.device = ctx.rank, ctx.device
         self._profiler: torch.profiler.profile | None = None
         self._t0 = 0.0
 
@@ -129,8 +135,9 @@ class StepProfiler:
             self._profiler.__enter__()
             self._t0 = time.perf_counter()
 
-    def after_step(self, step: int) -> StepSplit | None:
-        """``step`` ran; returns the split once the last profiled step has."""
+    def after_step(self, step: int, metrics: MetricsLogger | None) -> StepSplit | None:
+        """``step`` ran; once the last profiled step has, every rank's split goes to rank 0's log and
+        ``metrics`` (every rank calls this: the splits are gathered), and this rank's is returned."""
         if self._profiler is None or step != self.last:
             return None
         if self.device.type == "cuda":
@@ -143,4 +150,10 @@ class StepProfiler:
         self._profiler = None
         self.active = False
         events = json.loads(path.read_text()).get("traceEvents", [])
-        return split_trace(events, self.rank, self.first, self.last, wall_us)
+        split = split_trace(events, self.rank, self.first, self.last, wall_us)
+        splits = self.ctx.all_gather_objects(split)
+        for each in splits:
+            self.log(each.line())
+        if metrics is not None:
+            metrics.log(step, "profile", {f"rank{s.rank}": asdict(s) for s in splits})
+        return split
