@@ -390,7 +390,8 @@ def _resume_hint(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 on success, 2 on a configuration or argument error, 1 on any other explained error, 130 when
-    interrupted (Ctrl-C), 141 when `sample`'s reader closes the pipe (`| head`), as SIGPIPE would.
+    interrupted (Ctrl-C) and 143 when stopped by SIGTERM (after saving), 141 when `sample`'s reader closes
+    the pipe (`| head`), as SIGPIPE would.
 
     Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
     one line. Anything else is a megacpp bug and keeps its traceback.
@@ -403,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
         return args.func(args, cfg)
     except Interrupted as exc:
-        return _fail(str(exc) if exc.complete else f"{exc}; {_resume_hint(argv)}", 130)
+        return _fail(str(exc) if exc.complete else f"{exc}; {_resume_hint(argv)}", exc.exit_code)
     except KeyboardInterrupt:  # outside the training steps: nothing of this run's was saved just now
         return _fail("interrupted; checkpoints already written are intact", 130)
     except ConfigError as exc:

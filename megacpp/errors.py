@@ -20,10 +20,12 @@ class UsageError(MegacppError):
 
 
 class Interrupted(MegacppError):
-    """The user stopped a run with Ctrl-C (SIGINT) and it saved what it had: the CLI exits 130.
-    ``complete``: the run had already trained all its steps (Ctrl-C cut its final evaluation or sample
-    short), so there is nothing to resume and the CLI says so instead of how to resume."""
+    """A run was stopped by Ctrl-C (SIGINT) or SIGTERM and saved what it had: the CLI exits with
+    ``exit_code`` (130 for SIGINT, 143 for SIGTERM, as the signal itself would have).
+    ``complete``: the run had already trained all its steps (the signal cut its final evaluation or
+    sample short), so there is nothing to resume and the CLI says so instead of how to resume."""
 
-    def __init__(self, message: str, *, complete: bool = False) -> None:
+    def __init__(self, message: str, *, complete: bool = False, exit_code: int = 130) -> None:
         super().__init__(message)
         self.complete = complete
+        self.exit_code = exit_code

@@ -328,14 +328,18 @@ def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, timeout: float) 
         time.sleep(0.2)
 
 
-def _interrupt(cmd: list[str], run_dir: Path, timeout: float = 240) -> tuple[int, str]:
-    """Start `cmd` in its own process group, Ctrl-C the group (as a terminal does) after the first
-    logged step, and return (exit code, output). A hang fails the test."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _interrupt(cmd: list[str], run_dir: Path, timeout: float = 240, sig: int = signal.SIGINT,
+               group: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Start `cmd` in its own process group, send `sig` to the group (Ctrl-C, as a terminal does) or to
+    the process alone after the first logged step, and return (exit code, output). A hang fails the test."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         _wait_for_first_step(proc, run_dir / "metrics.jsonl", timeout)
-        os.killpg(proc.pid, signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -355,6 +359,37 @@ def test_sigint_saves_a_checkpoint_exits_130_and_says_how_to_resume(tmp_path, sm
     assert re.search(rf"megacpp: interrupted (during the evaluation )?at step {step}; saved checkpoint "
                      rf"{re.escape(str(ckpt))}; continue with: megacpp train", out), out[-3000:]
     assert out.rstrip().endswith("--resume")
+
+
+def test_sigterm_saves_the_step_reached_and_exits_143_saying_so(tmp_path, small_corpus):
+    """What a scheduler sends before it kills a job: handled like Ctrl-C (the step finishes, one checkpoint),
+    with a message naming SIGTERM and the exit status the signal would have given."""
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "1000", "train.ckpt_every": "1000"})
+    code, out = _interrupt([sys.executable, "-m", "megacpp.cli", *args], tmp_path / "run", sig=signal.SIGTERM,
+                           group=False)
+    assert code == 143, out[-3000:]
+    assert "Traceback" not in out
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    step = verify_checkpoint(ckpt)["step"]
+    assert re.search(rf"megacpp: stopped by SIGTERM \(a scheduler's preemption or shutdown\) (during the "
+                     rf"evaluation )?at step {step}; saved checkpoint {re.escape(str(ckpt))}; continue with: "
+                     "megacpp train", out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_autofit_supervisor_reaches_the_child_which_saves(tmp_path, small_corpus):
+    """The supervisor (on CPU through the test hook) forwards SIGTERM; its child saves and says so, and
+    the supervisor exits 143 without reporting a crash."""
+    hooks = ROOT / "tests" / "hooks"
+    env = {"MEGACPP_TEST_OOM_ABOVE": "1000",
+           "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "1000", "train.ckpt_every": "1000"})
+    code, out = _interrupt([sys.executable, "-m", "megacpp.cli", *args], tmp_path / "run", sig=signal.SIGTERM,
+                           group=False, env=env)
+    assert code == 143, out[-3000:]
+    (ckpt,) = list_checkpoints(tmp_path / "run")
+    assert "megacpp: stopped by SIGTERM" in out and str(ckpt) in out
+    assert "failed" not in out and "Traceback" not in out
 
 
 @pytest.mark.slow

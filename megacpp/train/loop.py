@@ -58,7 +58,7 @@ from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.grad_norms import PartGradNorms, spike_summary
 from megacpp.train.guards import DivergenceGuard, check_finite_weights, stop_nonfinite_loss
-from megacpp.train.interrupt import SigintFlag
+from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.plan import BatchPlan, trained_config
@@ -251,7 +251,7 @@ class Trainer:
         compile_record: dict[str, Any] = {}
         out_of_time = False
         checkpoint: Path | None = None
-        self.votes.start(after_warmup.enter_context(SigintFlag()))
+        self.votes.start(after_warmup.enter_context(StopRequest()))
         profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx, self.log)
         try:
             t_last = time.perf_counter()
@@ -441,7 +441,8 @@ class Trainer:
         if just_saved is None:
             self._expect_progress(watchdog, f"checkpoint at step {self.step} (interrupted)")
         path = just_saved or self.save()
-        raise interruption(self.step, self.cfg.train.steps, path, just_saved is not None, during, redo)
+        received = self.votes.sigint.received if self.votes.sigint is not None else None
+        raise interruption(self.step, self.cfg.train.steps, path, just_saved is not None, during, redo, received)
 
 def train(cfg: Config, resume: bool = False, log=print, progress: bool = True,
           attempt: Attempt | None = None) -> TrainResult:

@@ -2,6 +2,7 @@
 a Ctrl-C left the run."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,18 +58,21 @@ def eval_summary(evaluation: Evaluation, baselines: Baselines, checkpoint: Path)
 
 
 def interruption(step: int, steps: int, checkpoint: Path, just_saved: bool, during: str | None = None,
-                 redo: str | None = None) -> Interrupted:
+                 redo: str | None = None, received: signal.Signals | None = None) -> Interrupted:
     """The error a Ctrl-C ends a run with, at ``step`` of ``steps``, with ``checkpoint`` saved for it (or
     ``just_saved`` by the step itself). ``during`` names the phase Ctrl-C cut short. A run already at
     ``steps`` is complete: instead of how to resume, the message says so, and ``redo`` (a format string
     of the checkpoint's ``{path}``) how to do what was skipped."""
     saved = (f"no checkpoint was due: {checkpoint} was just written" if just_saved
              else f"saved checkpoint {checkpoint}")
-    what = f"interrupted during {during} at step {step}" if during else f"interrupted at step {step}"
+    how = "stopped by SIGTERM (a scheduler's preemption or shutdown)" if received == signal.SIGTERM \
+        else "interrupted"
+    what = f"{how} during {during} at step {step}" if during else f"{how} at step {step}"
+    code = 128 + int(received) if received is not None else 130
     if step < steps:
-        return Interrupted(f"{what}; {saved}")
+        return Interrupted(f"{what}; {saved}", exit_code=code)
     if just_saved:
         saved = f"its final checkpoint {checkpoint} was written"
     redo_hint = "; " + redo.format(path=checkpoint) if redo else ""
     return Interrupted(f"{what}; {saved}; the run is complete (train.steps {steps}): nothing to resume{redo_hint}",
-                       complete=True)
+                       complete=True, exit_code=code)

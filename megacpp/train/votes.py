@@ -1,4 +1,4 @@
-"""The ranks' vote on when to stop: Ctrl-C and the time budget, decided the same way on every rank.
+"""The ranks' vote on when to stop: Ctrl-C (or SIGTERM) and the time budget, decided the same way on every rank.
 
 Ranks get SIGINT at different moments and their clocks differ, yet all of them must stop after the
 same step and save one checkpoint together. Each step's vote (any rank's Ctrl-C flag, the largest
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megacpp.distributed.context import DistContext
-from megacpp.train.interrupt import SigintFlag
+from megacpp.train.interrupt import StopRequest
 
 
 @dataclass
@@ -33,12 +33,12 @@ class StopVotes:
         self.ctx = ctx
         self.device = device
         self.time_budget_s = time_budget_s
-        self.sigint: SigintFlag | None = None  # Ctrl-C's flag while the loop runs
+        self.sigint: StopRequest | None = None  # Ctrl-C's and SIGTERM's flag while the loop runs
         self.elapsed_before = 0.0  # training wall time of the run before this process (a resume)
         self.last: StepVote | None = None  # the last step's, on several ranks
         self._t_start: float | None = None  # when this process's training loop started
 
-    def start(self, sigint: SigintFlag) -> None:
+    def start(self, sigint: StopRequest) -> None:
         """The loop starts: its Ctrl-C flag, and the clock."""
         self.sigint = sigint
         self._t_start = time.perf_counter()

@@ -323,8 +323,8 @@ def _read_report(path: Path) -> OomReport | None:
 
 def _report_failure(job: Job, attempt: int, outcome: Outcome) -> None:
     """The end of a failed child's output, again, below everything else it printed."""
-    if outcome.status == 130 or (outcome.interrupted and outcome.status > 128):
-        return  # Ctrl-C (the child said what it saved) or a job being stopped: not a crash
+    if outcome.status in (130, 143) or (outcome.interrupted and outcome.status > 128):
+        return  # Ctrl-C or SIGTERM (the child said what it saved), or a job being stopped: not a crash
     lines = outcome.output.tail()
     _say(f"error: the training process (attempt {attempt}) failed ({_describe_status(outcome.status)}); the last "
          f"{len(lines)} lines of its "
