@@ -292,3 +292,10 @@ def test_unwritable_destination_is_refused(export_and_local, tmp_path):
     with pytest.raises(CacheError, match="not writable"):
         import_cache(shared, blocker / "cache")
     assert blocker.read_text().startswith("nothing")
+
+
+def test_a_corpus_root_that_is_a_symlink_loop_is_one_line(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(CorpusError, match=r"corpus path .*loop: cannot be resolved .*points back into itself"):
+        discover_corpus(cfg(loop))

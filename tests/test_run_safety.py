@@ -80,6 +80,20 @@ def test_overwrite_moves_the_previous_run_aside_byte_for_byte(tmp_path, small_co
     assert len([r for r in read_metrics(finished_run / "metrics.jsonl") if r["kind"] == "train"]) == 2
 
 
+def test_overwrite_moves_only_what_megacpp_wrote(tmp_path, small_corpus, finished_run, capsys):
+    """A run directory that holds the user's own files too (`--train.out_dir .` beside a corpus): they stay
+    where they are, byte for byte; only the run's files move aside."""
+    mine = {finished_run / "notes.txt": b"keep me", finished_run / "corpus" / "a.hpp": b"int a;"}
+    for path, data in mine.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+    assert _train(tmp_path, small_corpus, **{"train.steps": "2", "train.overwrite": "true"}) == 0
+    (previous,) = finished_run.glob("previous-*")
+    assert all(path.read_bytes() == data for path, data in mine.items())
+    assert not (previous / "notes.txt").exists() and not (previous / "corpus").exists()
+    assert (previous / "metrics.jsonl").is_file() and (previous / "checkpoints").is_dir()
+
+
 def test_resume_together_with_overwrite_is_refused(tmp_path, small_corpus, capsys):
     assert _train(tmp_path, small_corpus, "--resume", **{"train.overwrite": "true"}) == 1
     assert "not both" in _one_line_error(capsys.readouterr().err)
@@ -231,6 +245,19 @@ def test_resuming_a_finished_run_trains_nothing_and_exits_cleanly(tmp_path, smal
     assert "nothing to train: the run in" in out and "at step 2 and train.steps is 2" in out
     assert "Traceback" not in out + err and "done:" not in out
     assert _snapshot(finished_run) == before
+
+
+def test_resuming_a_run_whose_time_budget_is_spent_trains_nothing(tmp_path, small_corpus, capsys):
+    """A budget spent by the first step ends the run there; the same command with --resume says so and
+    writes nothing (before, it trained, evaluated and saved one more step each time)."""
+    budget = {"train.steps": "50", "train.time_budget_s": "0.001"}
+    assert _train(tmp_path, small_corpus, **budget) == 0
+    capsys.readouterr()
+    before = _snapshot(tmp_path / "run")
+    assert _train(tmp_path, small_corpus, "--resume", **budget) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the run in" in out and "of its train.time_budget_s 0.001; raise" in out
+    assert _snapshot(tmp_path / "run") == before
 
 
 # ---------------------------------------------------------------- 5. meta.json and incompatible resumes

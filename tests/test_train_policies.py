@@ -236,3 +236,9 @@ def test_statistics_fold_by_their_declared_reduction():
     reducer.after_forward()
     with pytest.raises(RuntimeError, match="statistics of 1 forward"):
         reducer()
+
+
+def test_the_gate_refuses_an_autofit_floor_above_the_batch():
+    with pytest.raises(ConfigError, match=r"train.oom_min_micro_batch = 8: the smallest micro-batch auto-fit may "
+                                          r"try is larger than the batch it splits; train.batch_size = 4"):
+        load_config("tiny", None, [("train.batch_size", "4"), ("train.oom_min_micro_batch", "8")])

@@ -358,6 +358,15 @@ def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filte
     return files_seen, stats, unreadable
 
 
+def _resolved_root(path: str) -> Path:
+    """A corpus root as an absolute path; a symbolic-link loop is one line, not a traceback."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # Python < 3.13 raises RuntimeError("Symlink loop ...")
+        raise CorpusError(f"corpus path {path}: cannot be resolved ({exc}): a symbolic link that points back "
+                          "into itself; expected a directory or file") from None
+
+
 def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None) -> Corpus:
     """Read, filter, dedup and split the corpus named by `cfg.corpus` (None = torch/include;
     "system" = the trees of `system`, by default this machine's: `megacpp.data.system_corpus`)."""
@@ -371,7 +380,7 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
         exts = sorted(cfg.extensions)
     else:
         # Resolved, so "." still has a name to prefix document sources with.
-        roots = [Path(p).expanduser().resolve() for p in cfg.corpus] if cfg.corpus else [default_corpus_root()]
+        roots = [_resolved_root(p) for p in cfg.corpus] if cfg.corpus else [default_corpus_root()]
         for root in roots:
             if not root.exists():
                 raise CorpusError(f"corpus path does not exist: {root}")

@@ -83,6 +83,9 @@ class TrainConfig(ConfigSection):
         if self.micro_batch and self.batch_size % self.micro_batch:
             raise k.error_among(("micro_batch", "batch_size"),
                                 "the micro-batch must divide train.batch_size (0 = the whole batch)")
+        if self.oom_min_micro_batch > self.batch_size:
+            raise k.error_among(("oom_min_micro_batch", "batch_size"),
+                                "the smallest micro-batch auto-fit may try is larger than the batch it splits")
         try:
             recompute_kinds(self.recompute)
         except ValueError as exc:

@@ -234,7 +234,7 @@ class Trainer:
         self.run_dir.check_shared()
         if resume:  # before anything in out_dir is written: an incompatible resume changes nothing
             self.resume()
-        if self.step >= tc.steps:
+        if self.step >= tc.steps or (tc.time_budget_s and self.votes.elapsed_before >= tc.time_budget_s):
             return self._nothing_to_train()
         if ctx.is_main:
             (self.out_dir / "config.toml").write_text(dump_toml(cfg))
@@ -317,9 +317,15 @@ class Trainer:
                            sample, ctx.rank, self.device.type, out_of_time, spike_summary(records.norm_history))
 
     def _nothing_to_train(self) -> TrainResult:
-        """A resumed run already at train.steps: say so and end cleanly (no metrics, plot or sample)."""
-        self.log(f"nothing to train: the run in {self.out_dir} is at step {self.step} and train.steps is "
-                 f"{self.cfg.train.steps}; raise --train.steps to train further")
+        """A resumed run already at train.steps or past its time budget: say so and end cleanly (no metrics,
+        plot or sample)."""
+        tc = self.cfg.train
+        if self.step >= tc.steps:
+            self.log(f"nothing to train: the run in {self.out_dir} is at step {self.step} and train.steps is "
+                     f"{tc.steps}; raise --train.steps to train further")
+        else:
+            self.log(f"nothing to train: the run in {self.out_dir} has spent {self.votes.elapsed_before:.0f} s of "
+                     f"its train.time_budget_s {tc.time_budget_s:g}; raise --train.time_budget_s to train further")
         return TrainResult(self.out_dir, self.step, self.losses, None, self.data.baselines, None, "",
                            self.ctx.rank, self.device.type)
 

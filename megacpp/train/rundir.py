@@ -21,6 +21,11 @@ from megacpp.runtime.checkpoint import checkpoint_root
 
 LOCK_NAME = ".megacpp.lock"
 PREVIOUS_PREFIX = "previous-"
+# What megacpp writes in a run directory; only these move aside on train.overwrite. The directory may
+# hold the user's own files too (`--train.out_dir .` beside a corpus): those stay where they are.
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.toml", "loss.png", "sample.txt", "logs", "tensorboard",
+               "profile")
+RUN_PATTERNS = ("position_curve-*.json",)
 
 
 class RunDirError(MegacppError):
@@ -40,8 +45,8 @@ def previous_run_files(out_dir: Path) -> list[str]:
 
 
 def move_aside(out_dir: Path) -> Path:
-    """Move everything in `out_dir` (but the lock and earlier ``previous-*`` folders) into a new
-    ``previous-<timestamp>/`` folder of it; return that folder."""
+    """Move what megacpp wrote in `out_dir` (`RUN_ENTRIES`, `RUN_PATTERNS`) into a new
+    ``previous-<timestamp>/`` folder of it; return that folder. Nothing else in `out_dir` moves."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = out_dir / f"{PREVIOUS_PREFIX}{stamp}"
     n = 1
@@ -49,7 +54,7 @@ def move_aside(out_dir: Path) -> Path:
         target, n = out_dir / f"{PREVIOUS_PREFIX}{stamp}-{n}", n + 1
     target.mkdir()
     for entry in sorted(out_dir.iterdir()):
-        if entry != target and entry.name != LOCK_NAME and not entry.name.startswith(PREVIOUS_PREFIX):
+        if entry.name in RUN_ENTRIES or any(entry.match(pattern) for pattern in RUN_PATTERNS):
             os.replace(entry, target / entry.name)
     return target
 
