@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megacpp.cli import main
 from megacpp.config import Config
@@ -271,3 +272,29 @@ def test_time_budget_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, 
     assert main([*args, "--resume"]) == 0
     resumed = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
     assert [r["step"] for r in resumed] == [1, 2] and resumed[1]["elapsed_s"] >= saved
+
+
+def test_fine_tuning_starts_from_the_checkpoints_weights_and_tokenizer_on_other_data(tmp_path, small_corpus):
+    """train.init_from: a changed source tree (new files) trains from the checkpoint's weights (step 0's
+    weights equal its final ones bit for bit), keeps its tokenizer and says so, with a fresh schedule; the
+    model settings asked for (d_model 48) give way to the checkpoint's (32), which its weights fit."""
+    source = tmp_path / "source"
+    _run(tiny_train_config(source, small_corpus, **{"train.steps": "3", "train.ckpt_every": "3"}))
+    (ckpt,) = list_checkpoints(source / "run")
+    changed = tmp_path / "changed"
+    shutil.copytree(small_corpus, changed)
+    (changed / "new.hpp").write_text("// a file the first run never saw\nstruct Fresh { int n; };\n" * 8)
+    lines: list[str] = []
+    cfg = tiny_train_config(tmp_path / "tuned", changed, **{"train.init_from": str(source / "run"), "train.steps": "2",
+                                                             "model.d_model": "48"})
+    trainer = Trainer(cfg, log=lines.append, progress=False)
+    assert trainer.cfg.model.d_model == 32
+    weights = load_file(ckpt / "model.safetensors")
+    assert all(torch.equal(trainer.model.state_dict()[name], value) for name, value in weights.items())
+    tuned_meta = json.loads((ckpt / "meta.json").read_text())
+    assert trainer.data.tokenizer_hash == tuned_meta["tokenizer_hash"]
+    assert any(line.startswith(f"fine-tuning from {ckpt} (step 3): its weights") for line in lines)
+    assert "fine-tuning: the checkpoint's model settings replace this run's: model.d_model 48 -> 32" in lines
+    assert trainer.stack.scheduler.state_dict()["position"] == 0
+    result = trainer.run()
+    assert result.step == 2 and math.isfinite(result.losses[-1])

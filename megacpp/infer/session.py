@@ -14,13 +14,7 @@ from megacpp.data.corpus import discover_corpus
 from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
-from megacpp.runtime.checkpoint import (
-    CKPT_DIR_RE,
-    CheckpointError,
-    checkpoint_root,
-    latest_valid_checkpoint,
-    load_checkpoint,
-)
+from megacpp.runtime.checkpoint import load_checkpoint, resolve_checkpoint
 from megacpp.runtime.cpp_syntax import Compiler, SyntaxReport, check_completions
 from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
@@ -80,23 +74,6 @@ class Session:
         tokens."""
         docs = discover_corpus(self.config.data).split("val")
         return check_completions(self.model, self.tokenizer, docs, n, compiler, context, max_new_tokens, timeout_s)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest valid one under a run directory or its `checkpoints/`."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint or run directory")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint or run directory (it is a file)")
-    if CKPT_DIR_RE.match(path.name):
-        return path
-    # RUN/checkpoints itself (what a tab completion gives) means RUN, not RUN/checkpoints/checkpoints.
-    run_dir = path.parent if checkpoint_root(path.parent) == path and not checkpoint_root(path).is_dir() else path
-    found = latest_valid_checkpoint(run_dir)
-    if found is None:
-        raise CheckpointError(f"{path}: no valid checkpoint (looked in {checkpoint_root(run_dir)})")
-    return found
 
 
 def load_session(path: str | Path, cfg: Config) -> Session:

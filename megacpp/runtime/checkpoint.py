@@ -234,3 +234,20 @@ def latest_valid_checkpoint(out_dir: str | Path, warn=print) -> Path | None:
         except CheckpointError as exc:
             warn(f"skipping checkpoint: {exc}")
     return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the newest valid one under a run directory or its `checkpoints/`."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint or run directory (it is a file)")
+    if CKPT_DIR_RE.match(path.name):
+        return path
+    # RUN/checkpoints itself (what a tab completion gives) means RUN, not RUN/checkpoints/checkpoints.
+    run_dir = path.parent if checkpoint_root(path.parent) == path and not checkpoint_root(path).is_dir() else path
+    found = latest_valid_checkpoint(run_dir)
+    if found is None:
+        raise CheckpointError(f"{path}: no valid checkpoint (looked in {checkpoint_root(run_dir)})")
+    return found

@@ -29,6 +29,9 @@ class TrainConfig(ConfigSection):
     # "all" before it cuts the micro-batch below 2.
     recompute: str = "none"
     oom_min_micro_batch: int = 1
+    # Fine-tuning: a checkpoint (or a run directory: its newest valid one) whose weights, model settings and
+    # tokenizer this run starts from, with a fresh optimizer and schedule (megacpp.train.finetune).
+    init_from: str | None = None
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     deterministic: bool = False  # bitwise mode: deterministic algorithms, no TF32, pinned autotune

@@ -56,12 +56,13 @@ from megacpp.runtime.model_size import check_model_fits
 from megacpp.train.autofit.attempt import Attempt
 from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
+from megacpp.train.finetune import fine_tuning_config, load_initial_weights
 from megacpp.train.grad_norms import PartGradNorms, spike_summary
 from megacpp.train.guards import DivergenceGuard, check_finite_weights, stop_nonfinite_loss
 from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
-from megacpp.train.plan import BatchPlan, trained_config
+from megacpp.train.plan import BatchPlan, resumed_plan, trained_config
 from megacpp.train.profile import StepProfiler
 from megacpp.train.readback import Readback
 from megacpp.train.recompute import apply_recompute
@@ -81,6 +82,8 @@ class Trainer:
         # A Config from load_config passed the gate and is frozen; one built in Python meets it here,
         # before minutes of corpus and tokenizer work.
         self.cfg = gate(cfg)
+        # Fine-tuning takes the checkpoint's model settings and tokenizer (megacpp.train.finetune).
+        self.cfg, self.init_from = fine_tuning_config(self.cfg, log) if self.cfg.train.init_from else (self.cfg, None)
         tc = self.cfg.train
         self.mode = configure_mode(tc.deterministic)
         # env and Dynamo policy: before any compile or process group
@@ -116,6 +119,8 @@ class Trainer:
         self.batch = BatchPlan.of(self.cfg, ctx.world_size)
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
         self.model = HybridLM(self.cfg.model).to(self.device)
+        if self.init_from is not None:
+            load_initial_weights(self.model, self.init_from)
         # Fingerprinted before sharding (the whole weights); only a job of several ranks compares it.
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
@@ -195,26 +200,12 @@ class Trainer:
         set_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         self.losses = state["losses"].tolist()
-        self._reuse_micro_batch(meta.get("micro_batch"), path)
+        self.batch = resumed_plan(self.batch, self.cfg.train.micro_batch, meta.get("micro_batch"), path, self.log)
         self.votes.elapsed_before = float(state.get("elapsed_s", 0.0))  # checkpoints before issue 13 lack it
         check_parity(self.ctx, {"checkpoint": str(path), "step": self.step,
                                 "loader": self.data.loader.state_dict()}, "after resume")
         self.log(f"resumed from {path} at step {self.step}")
         return path
-
-    def _reuse_micro_batch(self, recorded: int | None, path: Path) -> None:
-        """A resumed run keeps the micro-batch its checkpoint recorded (auto-fit's choice, or the user's)
-        unless train.micro_batch is set (by the user, or by the supervisor for a retry)."""
-        tc = self.cfg.train
-        if tc.micro_batch or recorded is None or recorded == self.batch.micro_batch:
-            return
-        if tc.batch_size % recorded:
-            self.log(f"resume: the micro-batch {recorded} recorded in {path / 'meta.json'} does not divide "
-                     f"train.batch_size {tc.batch_size}; using micro-batch {self.batch.micro_batch}")
-            return
-        self.batch = self.batch.with_micro_batch(recorded)
-        self.log(f"resume: micro-batch {recorded} x {tc.batch_size // recorded} per batch of {tc.batch_size}, as "
-                 f"recorded in {path / 'meta.json'} (set --train.micro_batch to choose another)")
 
     # ---------------------------------------------------------------- the run
 

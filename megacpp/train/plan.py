@@ -4,7 +4,9 @@ configuration with the tokenizer's vocabulary (`trained_config`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,6 +67,21 @@ class BatchPlan:
         split = f" (as {self.splits} micro-batches of {self.micro_batch})" if self.splits > 1 else ""
         return (f"batch {self.batch_size}{split} x {self.ranks} rank(s) x {self.grad_accum} accum x "
                 f"{self.seq_len} tokens")
+
+
+def resumed_plan(plan: BatchPlan, configured: int, recorded: int | None, where: Path,
+                 log: Callable[[str], None]) -> BatchPlan:
+    """A resumed run keeps the micro-batch its checkpoint at ``where`` recorded (auto-fit's choice, or the
+    user's) unless train.micro_batch (``configured``) is set, by the user or by the supervisor for a retry."""
+    if configured or recorded is None or recorded == plan.micro_batch:
+        return plan
+    if plan.batch_size % recorded:
+        log(f"resume: the micro-batch {recorded} recorded in {where / 'meta.json'} does not divide "
+            f"train.batch_size {plan.batch_size}; using micro-batch {plan.micro_batch}")
+        return plan
+    log(f"resume: micro-batch {recorded} x {plan.batch_size // recorded} per batch of {plan.batch_size}, as "
+        f"recorded in {where / 'meta.json'} (set --train.micro_batch to choose another)")
+    return plan.with_micro_batch(recorded)
 
 
 def trained_config(cfg: Config, vocab_size: int) -> Config:
