@@ -172,6 +172,8 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     cpp_context = args.cpp_context or session.config.data.seq_len - cpp_tokens
     evaluation, baselines = session.evaluate(args.batches)
     print(eval_summary(evaluation, baselines, session.checkpoint))
+    if (changed := session.data_changed()) is not None:
+        print(changed)
     if args.by_position:
         from megacpp.runtime.position_curve import default_curve_path
 

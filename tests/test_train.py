@@ -298,3 +298,16 @@ def test_fine_tuning_starts_from_the_checkpoints_weights_and_tokenizer_on_other_
     assert trainer.stack.scheduler.state_dict()["position"] == 0
     result = trainer.run()
     assert result.step == 2 and math.isfinite(result.losses[-1])
+
+
+def test_eval_says_when_the_corpus_changed_since_the_run_trained(tmp_path, small_corpus, capsys):
+    corpus = tmp_path / "mine"
+    shutil.copytree(small_corpus, corpus)
+    _run(tiny_train_config(tmp_path, corpus, **{"train.steps": "2", "train.ckpt_every": "2"}))
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    assert "changed since the run trained" not in capsys.readouterr().out
+    (corpus / "added.hpp").write_text("// new\nint added() { return 1; }\n" * 4)
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: the corpus ['{corpus}'] changed since the run trained" in out
+    assert "this is today's validation split, not the one the run was measured on" in out

@@ -30,6 +30,7 @@ class Session:
     config: Config
     checkpoint: Path
     device: torch.device
+    trained_data_key: str | None = None  # the corpus and tokenizer the run trained on (its loader's key)
     _data: DataBundle | None = field(default=None, repr=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -57,6 +58,15 @@ class Session:
             self._data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
         return self._data
 
+    def data_changed(self) -> str | None:
+        """A line saying the corpus is not the one the run trained on (its files changed since), or None."""
+        now = self.data().shards.key
+        if self.trained_data_key is None or now == self.trained_data_key:
+            return None
+        return (f"note: the corpus {self.config.data.corpus or 'torch/include'} changed since the run trained "
+                f"(data {self.trained_data_key[:12]} then, {now[:12]} now): this is today's validation split, "
+                "not the one the run was measured on")
+
     def evaluate(self, batches: int = 0) -> tuple[Evaluation, Baselines]:
         """Bits per byte on the whole validation split (or its first `batches` batches), and the baselines
         of the split."""
@@ -80,11 +90,11 @@ def load_session(path: str | Path, cfg: Config) -> Session:
     """Rebuild the model from the checkpoint's own config; the device comes from ``cfg.train.device``."""
     ckpt = resolve_checkpoint(path)
     device = resolve_device(cfg.train.device)
-    model_state, _, meta = load_checkpoint(ckpt, map_location=device)
+    model_state, train_state, meta = load_checkpoint(ckpt, map_location=device)
     saved = from_dict(meta["config"], source=f"{ckpt}/meta.json")
     config = dataclasses.replace(saved, train=dataclasses.replace(saved.train, device=cfg.train.device))
     model = HybridLM(config.model).to(device)
     model.load_state_dict(model_state)
     model.eval()
     tokenizer = CodeTokenizer.from_file(ckpt / "tokenizer.json")
-    return Session(model, tokenizer, config, ckpt, device)
+    return Session(model, tokenizer, config, ckpt, device, train_state.get("loader", {}).get("data_key"))
