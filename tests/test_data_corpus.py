@@ -150,3 +150,25 @@ def test_default_corpus_is_torch_include_headers():
     assert corpus.roots == [Path(torch.__file__).parent / "include"]
     assert len(corpus.docs) > 1000 and corpus.nbytes > 10e6
     assert corpus.split("val") and corpus.split("train")
+
+
+def test_the_summary_counts_files_of_other_extensions_and_reads_cpp_template_and_module_files(tmp_path):
+    root = tmp_path / "tree"
+    root.mkdir()
+    for name in ("a.cpp", "b.tcc", "c.tpp", "d.ixx", "e.cppm", "f.inc"):
+        (root / name).write_text(f"// {name}\nint f_{name[0]}() {{ return {ord(name[0])}; }}\n")
+    for name in ("setup.py", "tool.py", "README.md", "Makefile", ".hidden"):
+        (root / name).write_text("not c++\n")
+    corpus = discover_corpus(cfg(root))
+    assert corpus.files_seen == 6 and len(corpus.docs) == 6
+    assert dict(corpus.ignored) == {".py": 2, ".md": 1, "(none)": 1}
+    assert "not read, by extension: 4 (.py 2, (none) 1, .md 1; data.extensions adds one)" in corpus.summary()
+
+
+def test_a_validation_split_of_one_document_is_warned_about(tmp_path):
+    root = tmp_path / "tree"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.hpp").write_text(f"// file {i}\nint g{i}() {{ return {i}; }}\n")
+    summary = discover_corpus(DataConfig(corpus=[str(root)], min_bytes=1, val_fraction=0.001)).summary()
+    assert "warning: the validation split is one document" in summary and "data.val_fraction" in summary

@@ -8,8 +8,11 @@ from typing import Literal
 
 from megacpp.rules import AT_LEAST_1, BELOW_1, NON_NEGATIVE, SEED, ConfigSection, Interval, Keys
 
+# C and C++ sources and headers, CUDA, and the names C++ libraries give template implementations (.tcc,
+# .tpp, .ipp, .inl, .inc) and modules (.ixx, .cppm).
 SOURCE_EXTENSIONS = [
-    ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl",
+    ".h", ".hpp", ".hh", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".ipp", ".inl", ".tcc", ".tpp",
+    ".inc", ".ixx", ".cppm",
 ]
 
 JsonlErrors = Literal["skip", "raise"]  # skip: count bad lines in the summary | raise: error naming file:line

@@ -18,6 +18,8 @@ from megacpp.data.repository import group_files, include_order, join_parts, repo
 from megacpp.data.system_corpus import SourceTree, default_corpus_root, system_trees
 from megacpp.errors import MegacppError
 
+IGNORED_SHOWN = 6  # extensions the summary names of the files it did not read
+
 
 class CorpusError(MegacppError, ValueError):
     """Bad corpus input: a missing path, a bad JSONL line, or nothing left after filtering."""
@@ -72,6 +74,7 @@ class Corpus:
     sources: list[SourceStats] = field(default_factory=list)  # per tree, for data.corpus = "system"
     unreadable_trees: list[str] = field(default_factory=list)  # trees that exist but cannot be listed
     documents: str = "file"  # data.documents: what one document is
+    ignored: Counter = field(default_factory=Counter)  # extension -> files not read for it
 
     def split(self, name: str) -> list[Document]:
         return [d for d in self.docs if d.split == name]
@@ -89,6 +92,15 @@ class Corpus:
             f"(train {len(self.docs) - n_val} / val {n_val}), {self.nbytes / 1e6:.1f} MB; "
             f"skipped {sum(self.skipped.values())}: {skipped}"
         )
+        if self.ignored:  # what a user's tree holds besides the corpus's extensions, in case some of it is C++
+            ranked = sorted(self.ignored.items(), key=lambda item: (-item[1], item[0]))[:IGNORED_SHOWN]
+            top = ", ".join(f"{ext} {n}" for ext, n in ranked)
+            more = ", ..." if len(self.ignored) > IGNORED_SHOWN else ""
+            line += (f"; not read, by extension: {sum(self.ignored.values())} ({top}{more}; "
+                     "data.extensions adds one)")
+        if n_val == 1:
+            line += ("\nwarning: the validation split is one document: its bits/byte says little; raise "
+                     "data.val_fraction")
         if not self.sources and not self.unreadable_trees:
             return line
         trees = "; ".join(f"{_printable(s.name)} {s.files} files -> {s.docs} docs {s.nbytes / 1e6:.1f} MB"
@@ -161,11 +173,12 @@ class _Filter:
 
 def _list_files(
     root: Path, suffixes: set[str], skipped: Counter, label: str | None = None,
-    skip_dirs: frozenset[Path] = frozenset(), extensionless: bool = False,
+    skip_dirs: frozenset[Path] = frozenset(), extensionless: bool = False, ignored: Counter | None = None,
 ) -> list[tuple[str, Path]]:
     """(label, path) of matching names under root, sorted by relative path; a directory that cannot
     be listed is counted as `unreadable_dir` instead of ending discovery. Labels start with `label`
-    (default: the root's name); directories in `skip_dirs` are not entered."""
+    (default: the root's name); directories in `skip_dirs` are not entered. Files of other extensions
+    are counted in `ignored` by extension ("(none)" for a name without one; hidden files not at all)."""
     label = label or root.name
     if not root.is_dir():  # a file named directly (or a special file, rejected when it is read)
         return [(label, root)]
@@ -186,6 +199,8 @@ def _list_files(
             if wanted(name):
                 path = Path(dirpath, name)
                 found.append((path.relative_to(root).as_posix(), path))
+            elif ignored is not None and not name.startswith("."):
+                ignored[os.path.splitext(name)[1].lower() or "(none)"] += 1
     found.sort(key=lambda item: item[0])
     return [(f"{label}/{rel}", path) for rel, path in found]
 
@@ -373,6 +388,7 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
     flt = _Filter(cfg)
     sources: list[SourceStats] = []
     unreadable: list[str] = []
+    ignored: Counter = Counter()  # a user's own trees only: a system tree is mostly not code
     if cfg.corpus == "system":
         trees = list(system) if system is not None else system_trees()
         roots = [t.path for t in trees]
@@ -389,7 +405,7 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
         jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
         files_seen = 0
         for root in roots:
-            files = _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped)
+            files = _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped, ignored=ignored)
             files_seen += len(files)
             if cfg.documents == "file":
                 top = root if root.is_dir() else root.parent
@@ -399,7 +415,8 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
                 _read_units(root, root.name, files, jsonl_ext, cfg, flt)
         exts = sorted(source_ext | text_ext | jsonl_ext)
     docs = _ensure_val(flt.docs, cfg.val_fraction)
-    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable, cfg.documents)
+    corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable, cfg.documents,
+                    ignored)
     if files_seen == 0:
         raise CorpusError(f"no corpus files with extensions {exts} under {[str(r) for r in roots]}")
     if not any(d.split == "train" for d in docs):
