@@ -311,3 +311,24 @@ def test_eval_says_when_the_corpus_changed_since_the_run_trained(tmp_path, small
     out = capsys.readouterr().out
     assert f"note: the corpus ['{corpus}'] changed since the run trained" in out
     assert "this is today's validation split, not the one the run was measured on" in out
+
+
+@pytest.mark.parametrize("how", ["rewarm", "hold"])
+def test_extending_a_finished_run_says_what_the_schedule_does_and_offers_the_choice(tmp_path, small_corpus, how):
+    """A 4-step run whose last step trains at 0.5x (two decay steps); resumed with train.steps 8, "rewarm"
+    follows the 8-step schedule (back to 1.0x at step 5) and says so, "hold" trains steps 5-8 at the 0.5x
+    the first schedule ended with."""
+    base = {"optim.decay_frac": "0.5", "optim.final_lr_frac": "0.0", "train.ckpt_every": "4"}
+    _run(tiny_train_config(tmp_path, small_corpus, **{**base, "train.steps": "4"}))
+    lines: list[str] = []
+    cfg = tiny_train_config(tmp_path, small_corpus, **{**base, "train.steps": "8", "optim.extend_schedule": how})
+    trainer = Trainer(cfg, log=lines.append, progress=False)
+    trainer.resume()
+    multiplier = trainer.stack.scheduler.multiplier
+    (note,) = [line for line in lines if line.startswith("schedule: train.steps 4 -> 8")]
+    if how == "rewarm":
+        assert multiplier == 1.0
+        assert "puts step 5 at 1x the base learning rate, where the checkpoint's was at 0.5x" in note
+    else:
+        assert multiplier == 0.5 and "the added steps train at 0.5x the base learning rate" in note
+    trainer.close()

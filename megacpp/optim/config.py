@@ -62,6 +62,10 @@ class OptimConfig(ConfigSection):
     decay_steps: int | None = None
     decay_shape: DecayShape = "linear"
     final_lr_frac: float = 0.0
+    # A resumed run given more train.steps than its checkpoint's run had (megacpp.optim.schedule.extend):
+    # "rewarm" follows the schedule of the new length (after a finished decay the rate climbs back to the
+    # stable rate); "hold" trains the added steps at the rate the checkpoint's schedule ended with.
+    extend_schedule: Literal["rewarm", "hold"] = "rewarm"
 
     # Step execution
     # Compile each optimizer's whole step into one graph: true, false, or auto (compiled when the

@@ -90,6 +90,38 @@ class LRScheduler:
         self.apply()
 
 
+@dataclass(frozen=True)
+class HeldEnd:
+    """``inner``'s multipliers up to the end it was made for (``until`` steps), then its last one, held."""
+
+    inner: WarmupStableDecay
+    until: int
+
+    def multiplier(self, step: int) -> float:
+        return self.inner.multiplier(min(step, self.until - 1))
+
+
+def extend(saved: WarmupStableDecay, new: WarmupStableDecay, position: int, how: str
+           ) -> tuple[WarmupStableDecay | HeldEnd, str | None]:
+    """The schedule of a run resumed at ``position`` with more steps than ``saved`` was made for, and a
+    line saying what that does to the learning rate (None when it changes nothing): ``how`` "rewarm"
+    keeps ``new`` (the schedule of the new length), "hold" keeps ``saved``'s last multiplier."""
+    if saved.total_steps is None or new.total_steps is None or new.total_steps <= saved.total_steps:
+        return new, None
+    was = saved.multiplier(min(position, saved.total_steps) - 1) if position else saved.multiplier(0)
+    if how == "hold":
+        return HeldEnd(saved, saved.total_steps), (
+            f"schedule: train.steps {saved.total_steps} -> {new.total_steps}; optim.extend_schedule = hold: the "
+            f"added steps train at {saved.multiplier(saved.total_steps - 1):.3g}x the base learning rate, where the "
+            "checkpoint's schedule ended")
+    now = new.multiplier(position)
+    if math.isclose(was, now):
+        return new, None
+    return new, (f"schedule: train.steps {saved.total_steps} -> {new.total_steps}: the schedule of the new length puts "
+                 f"step {position + 1} at {now:.3g}x the base learning rate, where the checkpoint's was at {was:.3g}x "
+                 "(optim.extend_schedule = rewarm; --optim.extend_schedule hold keeps the rate it ended with)")
+
+
 def _steps(steps: int | None, frac: float, total: int | None) -> int:
     """Explicit steps win; a fraction needs the run length and means nothing without it."""
     if steps is not None:

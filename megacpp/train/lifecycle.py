@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from megacpp.config import Config, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
+from megacpp.optim.schedule import LRScheduler, WarmupStableDecay, extend
+from megacpp.run_config import from_dict
 from megacpp.runtime.checkpoint import CheckpointError, read_meta
 from megacpp.train.resume_rules import check_compatible, check_resume_settings, rows_per_step
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
@@ -104,6 +106,17 @@ class RunDirectory:
                      "the model is computed or bounded, not its weights")
         check_compatible(read_meta(path), model_cfg, tokenizer_hash, path, self.cfg.data.seq_len)
         return dist_checkpoint.load(self.ctx, path, model, moments)
+
+    def extend_schedule(self, meta: dict[str, Any], scheduler: LRScheduler, position: int) -> None:
+        """A resume with more train.steps than the checkpoint's run had: the schedule per
+        optim.extend_schedule (megacpp.optim.schedule.extend), and a line saying what it does to the rate."""
+        saved = from_dict(meta["config"], source="the checkpoint's meta.json")
+        schedule, note = extend(WarmupStableDecay.from_config(saved.optim, saved.train.steps), scheduler.schedule,
+                                position, self.cfg.optim.extend_schedule)
+        scheduler.schedule = schedule
+        scheduler.apply()
+        if note is not None:
+            self.log(note)
 
     def loader_may_change_batch(self, meta: dict[str, Any]) -> bool:
         """Whether the loader may continue a checkpoint written at another global batch: when the user

@@ -196,6 +196,7 @@ class Trainer:
         state, meta = self.run_dir.restore(path, to_dict(self.cfg.model), self.data.tokenizer_hash, self.model,
                                            self.stack.moments())
         self.stack.load_state_dict(state["optim"])
+        self.run_dir.extend_schedule(meta, self.stack.scheduler, int(state["step"]))
         self.data.loader.load_state_dict(state["loader"], self.run_dir.loader_may_change_batch(meta))
         set_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
