@@ -127,8 +127,26 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+# What an unset (None) key means, for `megacpp config`: TOML has no null, so these are comments.
+UNSET_MEANS = {
+    "data.corpus": "the C++ headers inside the installed torch (torch/include)",
+    "data.tokenizer_path": "a tokenizer trained on the corpus (cached)",
+    "data.cache_dir": "$MEGACPP_CACHE_DIR/data, else ~/.cache/megacpp/data",
+    "data.baseline_context_bytes": "the whole training split",
+    "train.init_from": "no fine-tuning: the run starts from fresh weights",
+    "optim.muon_rms_lr": "optim.adamw_lr",
+    "optim.embed_lr": "optim.adamw_lr",
+    "optim.head_lr": "optim.adamw_lr",
+    "optim.warmup_steps": "optim.warmup_frac of train.steps",
+    "optim.decay_steps": "optim.decay_frac of train.steps",
+}
+# Keys a run derives instead of reading: written as comments, so a file read back never sets them.
+DERIVED = {"model.vocab_size": "the tokenizer's vocabulary (data.vocab_size) when training"}
+
+
 def dump_toml(cfg: Any) -> str:
-    """Serialise a config as TOML (None values are omitted: TOML has no null)."""
+    """Serialise a config as TOML. A None value (TOML has no null) and a derived key are written as a
+    comment saying what they mean."""
     lines: list[str] = []
 
     def fmt(v: Any) -> str:
@@ -141,11 +159,17 @@ def dump_toml(cfg: Any) -> str:
         return repr(v)
 
     def emit(obj: dict[str, Any], section: str) -> None:
-        scalars = {k: v for k, v in obj.items() if not isinstance(v, dict) and v is not None}
+        scalars = {k: v for k, v in obj.items() if not isinstance(v, dict)}
         if section and scalars:
             lines.append(f"\n[{section}]")
         for k, v in scalars.items():
-            lines.append(f"{k} = {fmt(v)}")
+            dotted = f"{section}.{k}" if section else k
+            if dotted in DERIVED:
+                lines.append(f"# {k}: {DERIVED[dotted]}")
+            elif v is None:
+                lines.append(f"# {k}: unset, {UNSET_MEANS[dotted]}")
+            else:
+                lines.append(f"{k} = {fmt(v)}")
         for k, v in obj.items():
             if isinstance(v, dict):
                 emit(v, f"{section}.{k}" if section else k)

@@ -27,6 +27,8 @@ from megacpp.section import freeze, is_frozen
 from megacpp.validate import validate_config
 
 DEFAULT_PRESET = "tiny"
+# A model key a user never sets: training takes it from the tokenizer (megacpp.train.plan.trained_config).
+DERIVED_VOCAB = "model.vocab_size"
 
 
 def resolve_preset(cli_preset: str | None, file: TomlFile | None) -> str | None:
@@ -70,6 +72,10 @@ def load_config(
     cfg = apply_overrides(cfg, overrides)
     for dotted, _ in overrides:
         sources.record(dotted, cli_where(dotted))
+    if sources.is_set(DERIVED_VOCAB):
+        raise ConfigError(f"{sources.source(DERIVED_VOCAB)}: {DERIVED_VOCAB} is the tokenizer's vocabulary and is set "
+                          "from it when training: set data.vocab_size (the vocabulary a tokenizer is trained to) or "
+                          "data.tokenizer_path instead, and drop model.vocab_size")
     return gate(cfg, sources), sources
 
 

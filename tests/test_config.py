@@ -138,3 +138,17 @@ def test_tier1_corpus_on_the_command_line_takes_a_bare_path_a_comma_list_or_its_
             apply_overrides(preset("tiny"), [("data.corpus", raw)])
         assert str(err.value) == (f"command line --data.corpus: expected one of 'system' or paths (a path contains "
                                   f"'/': ./{raw}; several: a,b or [\"a\", \"b\"]), got {raw!r}")
+
+
+def test_megacpp_config_shows_every_unset_key_and_no_derived_one(capsys):
+    """TOML has no null: an unset key is a comment saying what it means (data.corpus among them), and
+    model.vocab_size, which training takes from the tokenizer, is a comment too; setting it is refused."""
+    from megacpp.cli import main
+
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "# corpus: unset, the C++ headers inside the installed torch (torch/include)" in out
+    assert "# vocab_size: the tokenizer's vocabulary (data.vocab_size) when training" in out
+    assert "\nvocab_size = 4096\n" not in out.split("[optim]")[0]
+    assert main(["train", "--model.vocab_size", "100"]) == 2
+    assert "command line --model.vocab_size: model.vocab_size is the tokenizer's vocabulary" in capsys.readouterr().err
