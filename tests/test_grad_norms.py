@@ -128,11 +128,13 @@ def test_tier1_the_end_of_run_line_counts_spikes_and_names_where_they_start():
 
 def test_tier1_the_run_summary_prints_the_spike_line(tmp_path):
     from megacpp.data.baselines import Baselines
+    from megacpp.runtime.evaluate import Evaluation
     from megacpp.train.report import TrainResult, run_summary
 
     baselines = Baselines(unigram_bpb=2.0, xz_bpb=0.9, xz_given_train_bpb=0.6, val_bytes=1000, context_bytes=10,
                           train_bytes=10)
     line = spike_summary(_history(30))
-    result = TrainResult(tmp_path, 40, [], 1.5, baselines, tmp_path / "ckpt", "", grad_spikes=line)
+    evaluation = Evaluation(1.5, tokens=400, bytes=1000, split_tokens=400, whole=True)
+    result = TrainResult(tmp_path, 40, [], evaluation, baselines, tmp_path / "ckpt", "", grad_spikes=line)
     assert line in run_summary(result).splitlines()
-    assert "gradient norm" not in run_summary(TrainResult(tmp_path, 40, [], 1.5, baselines, None, ""))
+    assert "gradient norm" not in run_summary(TrainResult(tmp_path, 40, [], evaluation, baselines, None, ""))

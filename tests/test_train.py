@@ -258,7 +258,8 @@ def test_summary_eval_and_metrics_show_the_baselines_beside_validation_bits_per_
 
 def test_time_budget_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, small_corpus, capsys):
     """A budget spent by the first step stops the run there, before train.steps, with the last step's
-    evaluation, checkpoint and sample; the elapsed time is saved and a resume continues from it."""
+    evaluation, checkpoint and sample; the elapsed time is saved and a resume with a larger budget
+    continues from it."""
     args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "50", "train.time_budget_s": "0.001"})
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -269,7 +270,7 @@ def test_time_budget_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, 
     assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("train", "val")] == [(1, "train"), (1, "val")]
     saved = torch.load(list_checkpoints(tmp_path / "run")[0] / "state.pt", weights_only=True)["elapsed_s"]
     assert saved >= [r for r in records if r["kind"] == "val"][0]["elapsed_s"] > 0
-    assert main([*args, "--resume"]) == 0
+    assert main([*args, "--resume", "--train.time_budget_s", "600", "--train.steps", "2"]) == 0
     resumed = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
     assert [r["step"] for r in resumed] == [1, 2] and resumed[1]["elapsed_s"] >= saved
 
