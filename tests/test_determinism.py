@@ -62,13 +62,16 @@ def _train_losses(tmp_path, corpus, name: str) -> list[float]:
 
 
 def _flatten(cfg, prefix=""):
+    """Every key a user sets, as command-line overrides (not the derived ones: megacpp.config.DERIVED)."""
     from dataclasses import fields, is_dataclass
+
+    from megacpp.config import DERIVED
 
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if is_dataclass(value):
             yield from _flatten(value, f"{prefix}{f.name}.")
-        elif value is not None:
+        elif value is not None and f"{prefix}{f.name}" not in DERIVED:
             text = json.dumps(value) if isinstance(value, (list, bool)) else str(value)
             yield f"{prefix}{f.name}", text
 
