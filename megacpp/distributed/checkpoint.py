@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megacpp.distributed.context import DistContext
+from megacpp.distributed.expert_parallel import ExpertParallel
 from megacpp.runtime.checkpoint import (
     MOMENTS_DIR,
     CheckpointError,
@@ -43,14 +44,52 @@ from megacpp.runtime.checkpoint import (
 )
 
 
-def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, Tensor] | None:
-    """The whole weights (CPU) on rank 0, None on the others; every rank must call it."""
+def full_model_state(model: nn.Module, ctx: DistContext, experts: ExpertParallel | None = None
+                     ) -> dict[str, Tensor] | None:
+    """The whole weights (CPU) on rank 0, None on the others; every rank must call it. Expert-parallel
+    rows are gathered one tensor at a time (a whole `nam52` expert tensor is ~0.5 GB)."""
     if not ctx.distributed:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for name, p in (experts.params.items() if experts is not None else ()):
+        whole = experts.whole(p.detach())
+        if ctx.is_main:
+            state[name] = whole.cpu()
     return state if ctx.is_main else None
+
+
+def checkpointed_moments(moments: dict[str, Tensor], experts: ExpertParallel | None) -> dict[str, Tensor]:
+    """``moments`` with each expert-parallel moment (key "<optimizer>/<parameter>/<name>", with its
+    parameter's expert axis first: the moments of a whole matrix or factored per matrix, e.g. Muon's
+    second moment (E, 1, h)) as a view of the whole tensor, so that the checkpoint holds whole tensors: one
+    format, resumable on any expert-parallel degree and number of ranks."""
+    if experts is None:
+        return moments
+    out = {}
+    for key, value in moments.items():
+        param = experts.params.get(key.split("/")[1])
+        per_expert = param is not None and value.ndim == param.ndim and value.shape[0] == param.shape[0]
+        out[key] = experts.global_view(value) if per_expert else value
+    return out
+
+
+def _read_weights(path: Path, experts: ExpertParallel) -> dict[str, Tensor]:
+    """Every weight of a checkpoint's ``model.safetensors``, with only this rank's rows of the expert-
+    parallel ones (each rank reads the shared file itself)."""
+    from safetensors import safe_open
+
+    state = {}
+    with safe_open(path / "model.safetensors", framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if key in experts.params:
+                rows = f.get_slice(key)
+                start, stop = experts.rows_of(rows.get_shape()[0])
+                state[key] = rows[start:stop]
+            else:
+                state[key] = f.get_tensor(key)
+    return state
 
 
 @contextlib.contextmanager
@@ -92,7 +131,8 @@ class _Agreement:
 
 def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, moments: dict[str, Tensor],
          train_state: dict[str, Any], meta: dict[str, Any], keep_last: int,
-         extra_files: dict[str, bytes] | None = None) -> Path:
+         extra_files: dict[str, bytes] | None = None, experts: ExpertParallel | None = None
+         ) -> Path:
     """Write checkpoint `step` (see the module docstring); returns its directory."""
     final, tmp = checkpoint_dirs(out_dir, step)
     agreement = _Agreement(ctx, step, tmp)
@@ -108,10 +148,11 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
                                        "(checkpoints need a filesystem every host shares)"))
     agreement.settle("checking the directory")
 
-    model_state = full_model_state(model, ctx)
+    model_state = full_model_state(model, ctx, experts)
     try:
         with _dcp_quiet():
-            dcp.save(moments, checkpoint_id=tmp / MOMENTS_DIR, no_dist=not ctx.distributed)
+            dcp.save(checkpointed_moments(moments, experts), checkpoint_id=tmp / MOMENTS_DIR,
+                     no_dist=not ctx.distributed)
     except (OSError, CheckpointException) as exc:
         agreement.fail(exc)
     agreement.settle("writing optimizer moments")
@@ -135,13 +176,18 @@ def find_resume_checkpoint(ctx: DistContext, out_dir: str | Path, warn=print) ->
     return None if chosen is None else Path(chosen)
 
 
-def load(ctx: DistContext, path: Path, model: nn.Module, moments: dict[str, Tensor]) -> tuple[dict, dict]:
-    """Load weights into `model` and moments in place into `moments` (any number of ranks);
-    return (train_state, meta). The checkpoint was verified by `find_resume_checkpoint`."""
+def load(ctx: DistContext, path: Path, model: nn.Module, moments: dict[str, Tensor],
+         experts: ExpertParallel | None = None) -> tuple[dict, dict]:
+    """Load weights into `model` and moments in place into `moments` (any number of ranks, any expert-
+    parallel degree); return (train_state, meta). The checkpoint was verified by `find_resume_checkpoint`."""
     meta = read_meta(path)
     try:
         if not ctx.distributed:
             model.load_state_dict(load_file(path / "model.safetensors", device=str(ctx.device)))
+        elif experts is not None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(model, _read_weights(path, experts))
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -149,7 +195,8 @@ def load(ctx: DistContext, path: Path, model: nn.Module, moments: dict[str, Tens
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                        broadcast_from_rank0=True))
         with _dcp_quiet():
-            dcp.load(moments, checkpoint_id=path / MOMENTS_DIR, no_dist=not ctx.distributed)
+            dcp.load(checkpointed_moments(moments, experts), checkpoint_id=path / MOMENTS_DIR,
+                     no_dist=not ctx.distributed)
     except (SafetensorError, OSError, CheckpointException) as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint ({_describe(exc)})") from exc
     return load_train_state(path, map_location="cpu"), meta

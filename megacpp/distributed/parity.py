@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from megacpp.distributed.context import DistContext, DistError
 from megacpp.distributed.launch_env import PER_RANK_ENV as AUTOFIT_PER_RANK_ENV
+from megacpp.model.hints import canonical_name
 from megacpp.optim.local import is_sharded
 from megacpp.versions import package_version, torch_version
 
@@ -88,12 +89,13 @@ def model_layout(model: nn.Module) -> dict[str, str]:
     return {n: f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()}
 
 
-def replica_fingerprint(model: nn.Module, extra: dict[str, Any] | None = None) -> dict[str, str]:
+def replica_fingerprint(model: nn.Module, extra: dict[str, Any] | None = None,
+                        local: Collection[str] = ()) -> dict[str, str]:
     """Digests of the state that every rank holds whole and must hold identically, by name: unsharded
     parameters and persistent buffers (e.g. MoE selection biases), and `extra` (loader position,
-    schedule)."""
+    schedule). ``local`` names parameters each rank holds other rows of (expert parallelism)."""
     # The state dict: persistent buffers only (per-forward statistics differ by design until reduced).
-    whole = [(n, t) for n, t in model.state_dict().items() if not is_sharded(t)]
+    whole = [(n, t) for n, t in model.state_dict().items() if not is_sharded(t) and canonical_name(n) not in local]
     out: dict[str, Any] = {"replicated": {name: tensor_digest([(name, t)]) for name, t in whole}}
     for key, value in (extra or {}).items():
         out[key] = json.dumps(value, sort_keys=True, default=str)

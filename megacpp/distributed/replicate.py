@@ -185,10 +185,12 @@ class Replication:
         return p in self.owned
 
 
-def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter], OptimizerWork]) -> Replication:
+def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter], OptimizerWork],
+              local: Callable[[nn.Parameter], bool] = lambda p: False) -> Replication:
     """Set up replicate data parallelism for ``model`` (already compiled; identical on every rank).
-    ``work(p)`` estimates a parameter's optimizer work, for the ownership balance."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    ``work(p)`` estimates a parameter's optimizer work, for the ownership balance; parameters that
+    are ``local`` (expert parallelism's expert rows, different on every rank) are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad and not local(p)]
     for p in params:
         if p.dtype != torch.float32:
             raise TypeError(f"replicate data parallelism keeps fp32 parameters; one is {p.dtype}")

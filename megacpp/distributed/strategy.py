@@ -24,8 +24,10 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.regions import CompiledModel, compile_model
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import DistContext
+from megacpp.distributed.expert_parallel import ExpertParallel, expert_blocks, shard_experts
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.distributed.parallelize import fully_shard_model
+from megacpp.distributed.parity import check_parity
 from megacpp.distributed.replicate import Replication, optimizer_work, replicate
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
@@ -43,10 +45,21 @@ class DataParallel:
     name: str = "single process"
     why: str = ""
     optimizer_classes: dict[str, type] = field(default_factory=dict)
+    experts: ExpertParallel | None = None
 
     def owns(self, p: Tensor) -> bool:
         """Whether this rank steps ``p``."""
         return True
+
+    @property
+    def grad_norm(self) -> Callable[[list[Tensor]], Tensor] | None:
+        """The global gradient norm of a list of gradients, where the plain norm is not (None: it is)."""
+        return None if self.experts is None else self.experts.global_norm
+
+    @property
+    def expert_params(self) -> dict[str, nn.Parameter]:
+        """Parameters each rank holds other rows of (expert parallelism), by name."""
+        return {} if self.experts is None else self.experts.params
 
     @property
     def shards_optimizer_by_owner(self) -> bool:
@@ -65,7 +78,8 @@ class DataParallel:
         pass
 
     def describe(self) -> str:
-        return f"data parallelism: {self.name}" + (f" ({self.why})" if self.why else "")
+        text = f"data parallelism: {self.name}" + (f" ({self.why})" if self.why else "")
+        return text + (f"; {self.experts.describe()}" if self.experts is not None else "")
 
 
 @dataclass
@@ -78,7 +92,7 @@ class ReplicatedParallel(DataParallel):
     replication: Replication | None = None
 
     def owns(self, p: Tensor) -> bool:
-        return self.replication.owns(p)
+        return self.replication.owns(p) or (self.experts is not None and self.experts.holds(p))
 
     @property
     def shards_optimizer_by_owner(self) -> bool:
@@ -89,6 +103,8 @@ class ReplicatedParallel(DataParallel):
 
     def after_backward(self) -> None:
         self.replication.gradients.finish()
+        if self.experts is not None:
+            self.experts.finish_gradients()
 
     def after_optimizers(self) -> None:
         self.replication.updates.gather()
@@ -129,15 +145,27 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
     ``state_bytes`` gives the whole optimizer state's size (asked only when ``auto`` must decide)."""
     if not ctx.distributed:
         return DataParallel(compile_model(model, compile_cfg))
-    strategy, why = choose_strategy(dist_cfg.strategy, model,
-                                    state_bytes() if dist_cfg.strategy == "auto" else 0, ctx)
+    # The layout's settings agree before any rank builds a group from them: a rank that disagreed would
+    # wait in the mesh's setup for the whole init timeout.
+    check_parity(ctx, {"expert_parallel": [dist_cfg.expert_parallel, dist_cfg.expert_capacity_factor,
+                                           [m.cfg.n_experts for _, m in expert_blocks(model)]]},
+                 "before expert parallelism")
+    # Before compile, so that the E blocks' graphs trace the exchange; before the choice, which sizes
+    # what this rank holds.
+    experts = shard_experts(model, dist_cfg, ctx)
+    if experts is not None:
+        strategy, why = "replicate", "the parameters besides the experts"
+    else:
+        strategy, why = choose_strategy(dist_cfg.strategy, model,
+                                        state_bytes() if dist_cfg.strategy == "auto" else 0, ctx)
     if strategy == "fsdp":
         return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx), "fsdp", why,
                                     {"muon": ShardedMuon})
     compiled = compile_model(model, compile_cfg)
     hinted = _orthogonalized(model)
-    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p in hinted, ns_steps))
-    return ReplicatedParallel(compiled, "replicate", why, replication=replication)
+    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p in hinted, ns_steps),
+                            local=experts.holds if experts is not None else lambda p: False)
+    return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
 
 def _orthogonalized(model: nn.Module) -> set[nn.Parameter]:

@@ -21,6 +21,7 @@ See docs/blocks_moe_m2rnn.md for the design notes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -271,6 +272,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_exp))
         self.register_buffer("tokens_per_expert", torch.zeros(n_exp, dtype=torch.long), persistent=False)
         self.register_buffer("overflow", torch.zeros((), dtype=torch.long), persistent=False)
+        # Where the routed rows are computed when not here: set from outside (expert parallelism,
+        # megacpp.distributed.expert_parallel, installs an exchange with the ranks holding the experts).
+        # Called like `padded_expert_rows`, with the grouped dtype (None for the reference) last.
+        self.routed_experts: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -329,7 +334,11 @@ class MoE(nn.Module):
         t, k = x.shape[1], self.cfg.top_k
         expert_idx, weights = token_choice_route(scores, self.expert_bias, k)  # (b, t, k)
         dtype = self.grouped_dtype(x)
-        if dtype is None:
+        if self.routed_experts is not None:
+            rows, keep, counts = self.routed_experts(x, expert_idx, self.w_up, self.w_down, dtype)
+            combine = torch.where(keep, weights, torch.zeros_like(weights))
+            self.overflow.copy_((~keep).sum())
+        elif dtype is None:
             rows, keep, counts = padded_expert_rows(x, expert_idx, self.w_up, self.w_down, self.capacity(t))
             combine = torch.where(keep, weights, torch.zeros_like(weights))
             self.overflow.copy_((~keep).sum())

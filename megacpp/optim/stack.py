@@ -53,6 +53,7 @@ class OptimizerStack:
         parts: list[str] | None = None,
         routed: list[Tensor] | None = None,
         after_optimizers: Callable[[], None] | None = None,
+        grad_norm: Callable[[list[Tensor]], Tensor] | None = None,
     ) -> None:
         self.by_name = dict(optimizers)  # registry name -> optimizer, in step order (those built here)
         self.parts = list(parts if parts is not None else self.by_name)  # every optimizer of the run
@@ -60,6 +61,9 @@ class OptimizerStack:
         # their gradients and zero_grad clears them. None: this stack's own parameters.
         self.routed = routed
         self.after_optimizers = after_optimizers
+        # The global norm of the routed gradients, where each rank's plain norm is not it (expert
+        # parallelism: each rank holds other experts' gradients).
+        self.grad_norm = grad_norm
         self.scheduler = scheduler
         self.clip = clip
         self.spectral_cap = spectral_cap
@@ -82,8 +86,9 @@ class OptimizerStack:
         if self.grad_clip_norm > 0:
             # foreach norm + clamp on the device; no host sync (error_if_nonfinite stays off). Sharded
             # gradients give the global norm (a replicated DTensor): every rank clips alike.
-            norm = full_value(torch.nn.utils.get_total_norm(
-                [p.grad for p in self._routed() if p.grad is not None], foreach=True))
+            grads = [p.grad for p in self._routed() if p.grad is not None]
+            norm = (self.grad_norm(grads) if self.grad_norm is not None
+                    else full_value(torch.nn.utils.get_total_norm(grads, foreach=True)))
             metrics["grad_norm"] = norm
             # torch's clip_grad_norm_ coefficient, but the gradients are not rewritten: each optimizer
             # multiplies them by it as its step reads them, which a compiled step fuses into the pass it
@@ -158,6 +163,7 @@ def build_optimizers(
     model_compiled: bool = True,
     owns: Callable[[Tensor], bool] | None = None,
     after_optimizers: Callable[[], None] | None = None,
+    grad_norm: Callable[[list[Tensor]], Tensor] | None = None,
 ) -> OptimizerStack:
     """Route `model`'s parameters (megacpp.optim.groups), build each registered optimizer that got
     parameters (megacpp.optim.registry) and the stack; logs the routing table.
@@ -168,7 +174,8 @@ def build_optimizers(
     of a registered one, with the same arguments (under FSDP2: ``{"muon": ShardedMuon}``).
     ``model_compiled=False`` (compile mode none) keeps an "auto" ``compile_step`` eager: nothing of such
     a run is compiled. ``owns`` (replicate data parallelism) limits the optimizers to the parameters it
-    accepts; ``after_optimizers`` runs after their steps (see the module docstring).
+    accepts; ``after_optimizers`` runs after their steps (see the module docstring); ``grad_norm`` gives the
+    global gradient norm where each rank's plain one is not it (expert parallelism).
     """
     classes = dict(classes or {})
     unknown = sorted(set(classes) - set(OPTIMIZERS))
@@ -195,7 +202,7 @@ def build_optimizers(
     return OptimizerStack(optimizers, scheduler, clip, cfg.grad_clip_norm, table,
                           names={r.param: r.name for r in routes}, spectral_cap=SpectralCap.for_routes(routes),
                           parts=list(all_groups), routed=_every_param(all_groups) if owns else None,
-                          after_optimizers=after_optimizers)
+                          after_optimizers=after_optimizers, grad_norm=grad_norm)
 
 
 def _every_param(groups_by_kind: dict[str, list[dict[str, Any]]]) -> list[Tensor]:

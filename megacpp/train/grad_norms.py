@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from megacpp.distributed.context import DistContext
+from megacpp.distributed.expert_parallel import ExpertParallel
 from megacpp.model.params import parameter_parts
 from megacpp.optim.local import is_sharded, local_tensor
 
@@ -33,7 +34,7 @@ class PartGradNorms:
     Built after parallelisation (FSDP2 replaces the parameters): sharded gradients contribute their
     rows' squared norms, summed over ranks, so every rank logs the global figure."""
 
-    def __init__(self, model: nn.Module, ctx: DistContext) -> None:
+    def __init__(self, model: nn.Module, ctx: DistContext, experts: ExpertParallel | None = None) -> None:
         parts = parameter_parts(model)
         self.names = [name for name, _ in parts]
         self.params = [p for _, params in parts for p in params]  # every parameter exactly once
@@ -47,6 +48,9 @@ class PartGradNorms:
         self.zero = torch.zeros((), device=device)
         self.ctx = ctx
         self.sharded = any(is_sharded(p) for p in self.params)
+        # Expert parallelism: each rank holds other experts' rows, whose squares add over the expert group.
+        self.experts = experts
+        self.is_expert = torch.tensor([experts is not None and experts.holds(p) for p in self.params], device=device)
 
     def measure(self) -> tuple[dict[str, Tensor], Tensor]:
         """``({"grad_norm_<part>": 0-d tensor}, per-block norms as a 1-d tensor)``; a part or a block
@@ -55,6 +59,8 @@ class PartGradNorms:
         norms = iter(torch._foreach_norm(grads)) if grads else iter(())
         squares = torch.stack([next(norms).float() if p.grad is not None else self.zero
                                for p in self.params]).square()
+        if self.experts is not None:
+            squares = self.experts.square_sums(squares, self.is_expert)
         totals = torch.stack([squares.index_select(0, index).sum() for index in self.part_index + self.block_index])
         if self.sharded:
             self.ctx.all_reduce_(totals, "sum")

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from megacpp.config import Config, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
+from megacpp.distributed.expert_parallel import ExpertParallel
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay, extend
 from megacpp.run_config import from_dict
 from megacpp.runtime.checkpoint import CheckpointError, read_meta
@@ -98,14 +99,15 @@ class RunDirectory:
         return changed
 
     def restore(self, path: Path, model_cfg: dict[str, Any], tokenizer_hash: str, model: nn.Module,
-                moments: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+                moments: dict[str, Tensor], experts: ExpertParallel | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load checkpoint ``path`` into ``model`` and ``moments`` after checking that it is this model's,
         tokenizer's and sequence length's; returns (train state, meta)."""
         for key, saved, now in self.check_resume_settings():
             self.log(f"resuming with model.{key} = {now!r} (the checkpoint trained with {saved!r}): it changes how "
                      "the model is computed or bounded, not its weights")
         check_compatible(read_meta(path), model_cfg, tokenizer_hash, path, self.cfg.data.seq_len)
-        return dist_checkpoint.load(self.ctx, path, model, moments)
+        return dist_checkpoint.load(self.ctx, path, model, moments, experts)
 
     def extend_schedule(self, meta: dict[str, Any], scheduler: LRScheduler, position: int) -> None:
         """A resume with more train.steps than the checkpoint's run had: the schedule per
@@ -125,8 +127,8 @@ class RunDirectory:
         return self.cfg.dist.allow_global_batch_change or rows == saved_rows
 
     def save(self, step: int, model: nn.Module, moments: dict[str, Tensor], state: dict[str, Any],
-             meta: dict[str, Any], tokenizer_json: Callable[[], bytes]) -> Path:
+             meta: dict[str, Any], tokenizer_json: Callable[[], bytes], experts: ExpertParallel | None = None) -> Path:
         """Checkpoint ``step``, written by every rank together (megacpp.distributed.checkpoint.save)."""
         extra = {"tokenizer.json": tokenizer_json()} if self.ctx.is_main else None
         return dist_checkpoint.save(self.ctx, self.path, step, model, moments, state, meta,
-                                    self.cfg.train.keep_last, extra)
+                                    self.cfg.train.keep_last, extra, experts)

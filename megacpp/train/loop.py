@@ -121,6 +121,9 @@ class Trainer:
         self.model = HybridLM(self.cfg.model).to(self.device)
         if self.init_from is not None:
             load_initial_weights(self.model, self.init_from)
+        # Counted before anything is sharded: the whole model's parameters and compute per token.
+        self.parameter_table = parameter_table(self.model)
+        self.flops_per_token = flops_per_token(self.model, self.cfg.data.seq_len)
         # Fingerprinted before sharding (the whole weights); only a job of several ranks compares it.
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
@@ -135,9 +138,10 @@ class Trainer:
                                       classes=self.parallel.optimizer_classes,
                                       model_compiled=self.cfg.compile.mode != "none",
                                       owns=self.parallel.owns if self.parallel.shards_optimizer_by_owner else None,
-                                      after_optimizers=self.parallel.after_optimizers)
+                                      after_optimizers=self.parallel.after_optimizers,
+                                      grad_norm=self.parallel.grad_norm)
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
-        self.part_grad_norms = PartGradNorms(self.model, ctx)
+        self.part_grad_norms = PartGradNorms(self.model, ctx, self.parallel.experts)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
         self.block_grad_norms: Tensor | None = None  # the last step's, per block
         self.votes = StopVotes(ctx, self.device, tc.time_budget_s)
@@ -184,7 +188,7 @@ class Trainer:
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
                  "elapsed_s": self.votes.elapsed()}
         path = self.run_dir.save(self.step, self.model, self.stack.moments(), state, self.meta(),
-                                 self.data.tokenizer_json)
+                                 self.data.tokenizer_json, self.parallel.experts)
         self.attempt.checkpoint_published()
         return path
 
@@ -194,7 +198,7 @@ class Trainer:
             self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
             return None
         state, meta = self.run_dir.restore(path, to_dict(self.cfg.model), self.data.tokenizer_hash, self.model,
-                                           self.stack.moments())
+                                           self.stack.moments(), self.parallel.experts)
         self.stack.load_state_dict(state["optim"])
         self.run_dir.extend_schedule(meta, self.stack.scheduler, int(state["step"]))
         self.data.loader.load_state_dict(state["loader"], self.run_dir.loader_may_change_batch(meta))
@@ -237,7 +241,7 @@ class Trainer:
         bar = tqdm(total=tc.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    desc="train", unit="step")
         records = StepRecords(metrics, bar, self.part_grad_norms, DivergenceGuard(cfg.model, self.out_dir),
-                              tc.log_every, flops_per_token(self.model, cfg.data.seq_len), peak_flops(self.device))
+                              tc.log_every, self.flops_per_token, peak_flops(self.device))
         watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
         compile_record: dict[str, Any] = {}
@@ -371,7 +375,7 @@ class Trainer:
             return
         extra = {"loader": self.data.loader.state_dict(), "schedule": self.stack.scheduler.state_dict(),
                  "step": self.step}
-        check_parity(self.ctx, replica_fingerprint(self.model, extra), f"step {self.step}")
+        check_parity(self.ctx, replica_fingerprint(self.model, extra, self.parallel.expert_params), f"step {self.step}")
 
     def run_header(self) -> str:
         tc = self.cfg.train
@@ -383,7 +387,7 @@ class Trainer:
             self.compile_status.format(),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
-            parameter_table(self.model),
+            self.parameter_table,
             self.stack.routing_table,
             f"{self.batch.describe()}, {tc.steps} steps"
             + (f" or {tc.time_budget_s:g} s, whichever comes first" if tc.time_budget_s else ""),

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from megacpp.cli import build_config, build_parser
-from megacpp.distributed.checkpoint import full_model_state
+from megacpp.distributed.checkpoint import checkpointed_moments, full_model_state
 from megacpp.optim.local import is_sharded
 from megacpp.runtime.checkpoint import MOMENTS_DIR
 from megacpp.train.loop import Trainer
@@ -30,13 +30,15 @@ def main() -> None:
     ctx = trainer.ctx
     path = trainer.resume()
     assert path is not None, "no checkpoint to inspect"
-    weights = full_model_state(trainer.model, ctx)
+    experts = trainer.parallel.experts
+    weights = full_model_state(trainer.model, ctx, experts)
     if ctx.is_main:
         saved = load_file(path / "model.safetensors")
         assert weights.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(weights[name].cpu(), value), f"weight {name}"
-    moments = {k: full(v).detach().clone() for k, v in trainer.stack.moments().items()}
+    # Expert-parallel moments as whole tensors too (gathered in the same order on every rank).
+    moments = {k: full(v).detach().clone() for k, v in checkpointed_moments(trainer.stack.moments(), experts).items()}
     stored = {k: torch.zeros_like(v) for k, v in moments.items()}
     dcp.load(stored, checkpoint_id=path / MOMENTS_DIR, no_dist=True)  # every rank reads the whole tensors
     for key, value in stored.items():

@@ -16,6 +16,10 @@ Faults (RANK is the global rank that misbehaves; STEP the training step it does 
   loader@R          after a resume, rank R's loader is one step ahead
   drift@R:S         after step S, rank R's first MoE selection bias moves by 1e-3
   graph_break@R     rank R's FFN forward has a graph break
+  expert_parallel@R rank R starts with dist.expert_parallel 1 (the others as given)
+  router_nan@R:S    rank R's MoE router scores turn NaN from step S on
+  skew@R            rank R's MoE selection biases start at +100 on the first half of the experts, so
+                    every token is routed there (give it to every rank, and to a single process, alike)
 """
 from __future__ import annotations
 
@@ -43,6 +47,37 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
 
     if kind == "config":
         return [*args, "--optim.muon_lr", "0.021"]
+    if kind == "expert_parallel":
+        return [*args, "--dist.expert_parallel", "1"]
+    if kind == "router_nan":
+        from megacpp.model.moe import MoE
+
+        original_scores = MoE.router_scores
+        steps_run = {"last": 0}
+        original_step = Trainer.train_step
+
+        def counting_step(self):
+            steps_run["last"] = self.step + 1
+            return original_step(self)
+
+        def router_scores(self, x):
+            scores = original_scores(self, x)
+            return scores * float("nan") if steps_run["last"] >= step else scores
+
+        Trainer.train_step = counting_step
+        MoE.router_scores = router_scores
+        return args
+    if kind == "skew":
+        from megacpp.model.moe import MoE
+
+        original_reset = MoE.reset_parameters
+
+        def reset_parameters(self):
+            original_reset(self)
+            self.expert_bias[: self.cfg.n_experts // 2] = 100.0
+
+        MoE.reset_parameters = reset_parameters
+        return args
     if kind in ("nan", "stall", "kill", "interrupt", "drift", "sigint_step"):
         original = Trainer.train_step
 
