@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megacpp.distributed.expert_parallel import slots_per_row
+from megacpp.distributed.expert_parallel import send_layout
 from megacpp.runtime.checkpoint import list_checkpoints
 from tests.helpers import write_corpus
 from tests.test_dist_train import LAUNCH, args, launch, losses, same_error_on_both_ranks
@@ -26,11 +26,21 @@ def corpus(tmp_path_factory):
     return root
 
 
-def test_slots_per_row_is_every_assignment_unless_a_factor_caps_it():
-    assert slots_per_row(32, 2, 2, 0.0) == 64  # dropless: all of a row's 64 assignments may go to one rank
-    assert slots_per_row(32, 2, 2, 1.25) == 40  # ceil(1.25 * 64 / 2)
-    assert slots_per_row(32, 2, 8, 1.0) == 8
-    assert slots_per_row(32, 2, 2, 4.0) == 64  # never more than every assignment
+@pytest.mark.parametrize(("b", "m", "n_experts", "degree"), [(3, 17, 4, 2), (2, 64, 8, 4), (1, 5, 8, 8), (4, 33, 6, 3)])
+def test_tier1_send_layout_puts_every_row_once_in_its_experts_rank_chunk_in_expert_order(b, m, n_experts, degree):
+    routed = torch.randint(0, n_experts, (b, m), generator=torch.Generator().manual_seed(b * m + degree))
+    source, slot, used, counts = send_layout(routed, n_experts, degree)
+    n, flat = b * m, routed.reshape(-1)
+    assert torch.equal(counts, torch.bincount(flat, minlength=n_experts))
+    assert torch.equal(source[slot], torch.arange(n)), "each row's slot holds that row"
+    assert int(used.sum()) == n and bool(used[slot].all()), "exactly the rows' slots are used"
+    assert torch.equal(slot // n, flat // (n_experts // degree)), "in the chunk of its expert's rank"
+    for rank in range(degree):  # a chunk's used slots come first and hold its rows in stable expert order
+        chunk_used = used[rank * n:(rank + 1) * n]
+        rows = source[rank * n:(rank + 1) * n][chunk_used]
+        assert torch.equal(chunk_used, torch.arange(n) < len(rows))
+        mine = torch.nonzero(flat // (n_experts // degree) == rank).squeeze(1)
+        assert torch.equal(rows, mine[torch.argsort(flat[mine], stable=True)])
 
 
 @pytest.mark.slow

@@ -161,8 +161,10 @@ def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
     assert split.wall_ms == 0.5 and split.compute_ms == (300 + 350 + 50) / 2000
     assert split.collectives_ms == 200 / 2000 and split.exposed_collectives_ms == 50 / 2000
     assert split.idle_ms == 250 / 2000
+    assert split.collectives_by_kind == {"AllReduce": 200 / 2000}
     assert split.line().startswith("profile, steps 3-4, rank 1: 0.5 ms per step = compute 0.3 (70%) + exposed "
-                                   "collectives 0.0 (5%) + idle 0.1 (25%); collectives 0.1 ms, 75% hidden")
+                                   "collectives 0.0 (5%) + idle 0.1 (25%); collectives 0.1 ms (AllReduce 0.1), "
+                                   "75% hidden")
     cpu = split_trace(events[-1:], rank=0, first=3, last=4, wall_us=1000.0)
     assert cpu.kernels == 0 and "no device kernels in the trace (a CPU run)" in cpu.line()
 

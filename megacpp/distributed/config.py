@@ -17,12 +17,8 @@ class DistConfig(ConfigSection):
     strategy: Literal["auto", "replicate", "fsdp"] = "auto"
     # Ranks each E block's routed experts are split over (megacpp.distributed.expert_parallel): it must
     # divide the number of ranks and model.moe.n_experts; tokens travel to their experts' rank and back
-    # by all-to-all. 1: every rank holds every expert. Runs with strategy replicate for the rest.
+    # by all-to-all (dropless). 1: every rank holds every expert. Runs with strategy replicate for the rest.
     expert_parallel: int = 1
-    # Rows a batch row may send to one rank of the expert group: 0 = every assignment (dropless, buffers
-    # of expert_parallel x the routed rows); f > 0 caps them at ceil(f * seq_len * top_k / expert_parallel)
-    # and drops (counts) the rest, for large expert groups where the dropless buffers cost too much traffic.
-    expert_capacity_factor: float = 0.0
     # fsdp: free each block's gathered weights after its forward and gather them again for the
     # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
     # whole model resident; on (nam52) trades a second all-gather for memory.
@@ -45,6 +41,5 @@ class DistConfig(ConfigSection):
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
-        return {"expert_parallel": AT_LEAST_1, "expert_capacity_factor": NON_NEGATIVE,
-                "init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
+        return {"expert_parallel": AT_LEAST_1, "init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
                 "fingerprint_every": NON_NEGATIVE}  # 0 = only at checkpoints

@@ -8,22 +8,21 @@ router, embeddings) stays whole and follows the data-parallel strategy over all 
 
 Inside an E block's forward (compiled, in one graph on every rank; `ExpertExchange`):
 1. each rank routes its own tokens (router and selection bias are replicated, so the same rule);
-2. every routed row (token, slot) is placed in the slot buffer of the rank that holds its expert:
-   a static (P, b, c, d) buffer, c rows per destination and batch row (``slots_per_row``);
+2. every routed row (token, slot) is placed in the part of a static send buffer (P chunks of b*t*k
+   rows) that goes to the rank holding its expert, in expert order;
 3. one all-to-all sends the buffers, one more their experts' local ids (the padding's id is E/P);
 4. the receiving rank runs its experts on the rows it got (grouped GEMMs over the rows sorted by
    expert on CUDA; every local expert on every row, selected by id, as the reference);
 5. one all-to-all brings each row's output back to its token's rank, where the block combines it
    exactly as on one device.
 Both exchanges are functional collectives (``all_to_all_single_autograd``), traced into the compiled
-graph: no graph break, and the backward is the reverse all-to-all. The shapes are static: c depends
-on the sequence length only (the batch axis may stay dynamic).
+graph: no graph break, and the backward is the reverse all-to-all. The shapes follow the input's (the
+batch axis may stay dynamic), never the routing.
 
-Capacity: ``dist.expert_capacity_factor = 0`` (the default) is dropless, c = t*k (a batch row's every
-assignment fits even if all go to one rank): buffers of P times the routed rows, bounded and never
-dropping, so EP cannot change what the model learns. A factor f > 0 caps c at ceil(f*t*k/P) rows and
-drops (and counts, as the block's ``overflow``) what lands past it, for large P where P-fold buffers
-cost too much traffic.
+Dropless, with bounded buffers: each chunk has room for all of a rank's routed rows (they could all go
+to one rank), so nothing is ever dropped and EP cannot change what the model learns, at the price of
+buffers and all-to-all bytes P times the routed rows (zeros past each rank's rows). On 2 ranks that is
+2x; docs/distributed.md estimates what it costs at 8.
 
 Gradients: a rank's local expert gradients hold the sum over every rank's tokens of its own loss's
 gradient, so the mean over ranks is that sum / W, all-reduced over the replicas of the expert group
@@ -33,7 +32,6 @@ groups' squared norms over the expert group (`ExpertParallel.global_norm`).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -45,18 +43,9 @@ from torch import Tensor, nn
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import DistContext, DistError
 from megacpp.model.hints import canonical_name
-from megacpp.model.moe import MoE, batched_experts, dispatch_slots, expert_order, permute_rows
+from megacpp.model.moe import MoE, batched_experts, expert_order, permute_rows
 
 EXPERT_PARAMETERS = ("w_up", "w_down")
-
-
-def slots_per_row(tokens_per_row: int, top_k: int, degree: int, capacity_factor: float) -> int:
-    """Rows each batch row may send to one rank: all its t*k assignments (dropless, factor 0), or
-    ceil(factor * t*k / degree) capped at t*k."""
-    routed = tokens_per_row * top_k
-    if capacity_factor <= 0:
-        return routed
-    return min(routed, math.ceil(capacity_factor * routed / degree))
 
 
 def local_expert_rows(rows: Tensor, ids: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -79,18 +68,47 @@ def local_expert_rows(rows: Tensor, ids: Tensor, w_up: Tensor, w_down: Tensor, d
     return permute_rows(torch.where(used.unsqueeze(-1), out, 0), position, order)
 
 
+def send_layout(routed: Tensor, n_experts: int, degree: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Where each routed row goes in the send buffer of ``degree`` chunks of n = routed.numel() slots.
+
+    routed (b, m): each routed row's expert; rank j holds experts [j*E/degree, (j+1)*E/degree). Returns
+    source (degree*n,): the row each slot holds (a clamped index where unused); slot (n,): each row's slot,
+    so that source[slot[i]] == i; used (degree*n,) bool; counts (E,): rows per expert. Within its rank's
+    chunk a row sits at its place in expert order (stable: within an expert, row-major order)."""
+    n = routed.numel()
+    n_local = n_experts // degree
+    order, position, counts = expert_order(routed, n_experts)
+    per_rank = counts.view(degree, n_local).sum(dim=1)
+    first = per_rank.cumsum(dim=0) - per_rank
+    # Slot r of rank j's chunk holds the (first[j] + r)-th row in expert order, if rank j has that many.
+    within = torch.arange(n, device=routed.device)
+    used = (within.unsqueeze(0) < per_rank.unsqueeze(1)).reshape(-1)
+    source = order[(first.unsqueeze(1) + within).clamp(max=n - 1)].reshape(-1)
+    rank = torch.div(routed.reshape(-1), n_local, rounding_mode="floor")
+    slot = rank * n + position - first[rank]
+    return source, slot, used, counts
+
+
 class ExpertExchange:
     """The routed experts of one E block across its expert group (steps 2-5 of the module docstring).
 
     Installed as the block's ``routed_experts``; called with MoE's arguments, it returns what
-    `megacpp.model.moe.padded_expert_rows` returns: rows (b, t, k, d), keep (b, t, k), the block's
-    counts per expert (E,) before capacity."""
+    `megacpp.model.moe.grouped_expert_rows` returns, with the keep mask of `padded_expert_rows` (all
+    True: dropless): rows (b, t, k, d), keep (b, t, k), the block's counts per expert (E,).
 
-    def __init__(self, group: dist.ProcessGroup, degree: int, n_experts: int, capacity_factor: float) -> None:
+    The routed rows are put in expert order by `expert_order` (a stable counting sort, the one the
+    grouped dispatch of one device uses), which also orders them by destination rank; rank j's chunk of
+    the send buffer is slots [j*n, (j+1)*n) for n = b*t*k (every row could go to one rank), filled by a
+    gather from that order and zero past the rank's rows. Both moves of a row are gathers by a
+    permutation with a gather backward (`permute_rows`): no scatter-add, and only the shapes every
+    device's grouped dispatch already compiles with. (A one-hot over the size-2 rank axis, and an
+    index_copy into buffers with a trash row, both failed in Inductor's Triton codegen on torch 2.11
+    with `nam52`'s dynamic batch: "list indices must be integers or slices, not NoneType".)"""
+
+    def __init__(self, group: dist.ProcessGroup, degree: int, n_experts: int) -> None:
         self.group = group
         self.degree = degree
         self.n_experts = n_experts
-        self.capacity_factor = capacity_factor
 
     def __call__(self, x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor,
                  dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -98,24 +116,19 @@ class ExpertExchange:
 
         b, t, k = expert_idx.shape
         d, n_local, degree = x.shape[-1], w_up.shape[0], self.degree
-        routed = expert_idx.reshape(b, t * k)
-        counts = (routed.unsqueeze(-1) == torch.arange(self.n_experts, device=x.device)).sum(dim=(0, 1))
-        slots = slots_per_row(t, k, degree, self.capacity_factor)
-        dest, keep, _ = dispatch_slots(torch.div(routed, n_local, rounding_mode="floor"), degree, slots)
-        dest = dest.reshape(-1)
-        total = degree * b * slots
+        n = b * t * k
+        flat_expert = expert_idx.reshape(-1)
+        source, slot, used, counts = send_layout(expert_idx.reshape(b, t * k), self.n_experts, degree)
         work = x.to(dtype) if dtype is not None else x
-        # The trash row past the buffers takes the dropped rows (their destinations repeat; every used
-        # destination is unique, so the copy and its gather backward are deterministic where it counts).
-        send = work.new_zeros(total + 1, d).index_copy(
-            0, dest, work.unsqueeze(2).expand(b, t, k, d).reshape(b * t * k, d))[:-1]
-        ids = routed.new_full((total + 1,), n_local).index_copy(0, dest, routed.remainder(n_local).reshape(-1))[:-1]
+        rows_in = work.unsqueeze(2).expand(b, t, k, d).reshape(n, d)
+        send = torch.where(used.unsqueeze(-1), permute_rows(rows_in, source, slot), 0)
+        ids = torch.where(used, flat_expert[source].remainder(n_local), n_local)
         received = all_to_all_single_autograd(send, None, None, self.group)
         received_ids = all_to_all_single(ids, None, None, self.group)
         out = local_expert_rows(received, received_ids, w_up, w_down, dtype)
         back = all_to_all_single_autograd(out, None, None, self.group)
-        rows = torch.cat([back, back.new_zeros(1, d)]).index_select(0, dest).view(b, t, k, d)
-        return rows, keep.view(b, t, k), counts
+        rows = permute_rows(torch.where(used.unsqueeze(-1), back, 0), slot, source)
+        return rows.view(b, t, k, d), torch.ones_like(expert_idx, dtype=torch.bool), counts
 
 
 @dataclass
@@ -259,6 +272,5 @@ def shard_experts(model: nn.Module, cfg: DistConfig, ctx: DistContext) -> Expert
             local = nn.Parameter(whole.detach()[first:first + per_rank].clone(), requires_grad=whole.requires_grad)
             setattr(moe, attr, local)
             params[f"{name}.{attr}"] = local
-        moe.routed_experts = ExpertExchange(mesh.get_group("experts"), degree, moe.cfg.n_experts,
-                                            cfg.expert_capacity_factor)
+        moe.routed_experts = ExpertExchange(mesh.get_group("experts"), degree, moe.cfg.n_experts)
     return ExpertParallel(degree, mesh, ctx, params, first)

@@ -147,8 +147,8 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         return DataParallel(compile_model(model, compile_cfg))
     # The layout's settings agree before any rank builds a group from them: a rank that disagreed would
     # wait in the mesh's setup for the whole init timeout.
-    check_parity(ctx, {"expert_parallel": [dist_cfg.expert_parallel, dist_cfg.expert_capacity_factor,
-                                           [m.cfg.n_experts for _, m in expert_blocks(model)]]},
+    blocks = [m.cfg.n_experts for _, m in expert_blocks(model)]
+    check_parity(ctx, {"expert_parallel": [dist_cfg.expert_parallel, blocks]},
                  "before expert parallelism")
     # Before compile, so that the E blocks' graphs trace the exchange; before the choice, which sizes
     # what this rank holds.

@@ -6,7 +6,7 @@ writes each rank's Chrome trace to ``<out_dir>/profile/rank<R>.trace.json`` (ope
 one line per rank, gathered to rank 0's log and ``metrics.jsonl`` (kind "profile"):
 
     profile, steps 3-7, rank 0: 181.0 ms per step = compute 150.3 (83%) + exposed collectives 9.4 (5%)
-    + idle 21.3 (12%); collectives 24.8 ms, 62% hidden under compute
+    + idle 21.3 (12%); collectives 24.8 ms (AllReduce 16.1, AllGather 8.7), 62% hidden under compute
 
 The device timeline is read from the trace's kernel events: NCCL kernels are collectives, every other
 kernel, copy and memset is compute. Exposed collectives are collective time with no compute kernel
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +47,9 @@ class StepSplit:
     idle_ms: float
     collectives_ms: float
     kernels: int
+    # Collective time by NCCL operation ("AllGather", "ReduceScatter", "AllReduce", "SendRecv": the
+    # all-to-all of expert parallelism is NCCL's grouped send/receive), each in ms per step.
+    collectives_by_kind: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         head = f"profile, steps {self.first}-{self.last}, rank {self.rank}: "
@@ -56,8 +59,12 @@ class StepSplit:
         return (head + f"{self.wall_ms:.1f} ms per step = compute {self.compute_ms:.1f} "
                 f"({self.compute_ms / self.wall_ms:.0%}) + exposed collectives {self.exposed_collectives_ms:.1f} "
                 f"({self.exposed_collectives_ms / self.wall_ms:.0%}) + idle {self.idle_ms:.1f} "
-                f"({self.idle_ms / self.wall_ms:.0%}); collectives {self.collectives_ms:.1f} ms, {hidden:.0%} "
-                "hidden under compute")
+                f"({self.idle_ms / self.wall_ms:.0%}); collectives {self.collectives_ms:.1f} ms{self._kinds()}, "
+                f"{hidden:.0%} hidden under compute")
+
+    def _kinds(self) -> str:
+        kinds = sorted(self.collectives_by_kind.items(), key=lambda kv: -kv[1])
+        return f" ({', '.join(f'{kind} {ms:.1f}' for kind, ms in kinds)})" if kinds else ""
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -89,6 +96,7 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: float) -> StepSplit:
     """The split of ``wall_us`` of profiled time (``last - first + 1`` steps) from a Chrome trace's events."""
     compute, collectives = [], []
+    by_kind: dict[str, list[tuple[float, float]]] = {}
     kernels = 0
     for event in events:
         if event.get("ph") != "X" or event.get("cat") not in BUSY_CATEGORIES:
@@ -97,6 +105,8 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
         kernels += 1
         is_collective = str(event.get("name", "")).lower().startswith(COLLECTIVE_PREFIXES)
         (collectives if is_collective else compute).append(span)
+        if is_collective:
+            by_kind.setdefault(collective_kind(str(event["name"])), []).append(span)
     compute_u, collectives_u = _union(compute), _union(collectives)
     busy = _length(_union(compute_u + collectives_u))
     collective_us = _length(collectives_u)
@@ -107,7 +117,14 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
         return us / per_step
 
     return StepSplit(rank, first, last, ms(wall_us), ms(_length(compute_u)), ms(exposed),
-                     ms(max(wall_us - busy, 0.0)), ms(collective_us), kernels)
+                     ms(max(wall_us - busy, 0.0)), ms(collective_us), kernels,
+                     {kind: ms(_length(_union(spans))) for kind, spans in by_kind.items()})
+
+
+def collective_kind(kernel: str) -> str:
+    """The NCCL operation of a collective kernel's name: "ncclDevKernel_AllGather_RING_LL" -> "AllGather"."""
+    parts = kernel.split("_")
+    return parts[1] if len(parts) > 1 else kernel
 
 
 class StepProfiler:
