@@ -312,6 +312,9 @@ def test_tier1_a_small_val_split_is_evaluated_whole_on_any_rank_count(data):
     for world in (2, 3):
         ranks = [ValLoader(shards, 4, T2, num_batches=1000, rank=r, world_size=world) for r in range(world)]
         assert len({len(r) for r in ranks}) == 1
+        # Every batch of every rank has batch_size rows, a rank past the split's end too: a forward with
+        # collectives in it (expert parallelism's all-to-all) needs the same shapes on every rank.
+        assert {tuple(b.inputs.shape) for r in ranks for b in r} == {(4, T2)}
         assert sum(int(b.target_bytes.sum()) for r in ranks for b in r) == expected
         rows = torch.cat([b.inputs[b.target_bytes.sum(dim=1) > 0] for r in ranks for b in r])
         assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, real_rows.tolist()))

@@ -61,6 +61,14 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
     assert abs(one[0] - ep[0]) <= 1e-5
     assert max(abs(a - b) for a, b in zip(one, ep, strict=True)) <= 2e-3
     assert max(abs(a - b) for a, b in zip(rep, ep, strict=True)) <= 1e-4
+    # The clip's global norm and the E part's and E block's norms add the expert squares over the expert
+    # group: the figures 2 ranks without EP log, to fp32 summation order (measured 2e-7 relative).
+    records = {name: [r for r in map(json.loads, (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines())
+                      if r["kind"] == "train"] for name in ("ep", "rep")}
+    for a, b in zip(records["ep"], records["rep"], strict=True):
+        for value_a, value_b in ((a["grad_norm"], b["grad_norm"]), (a["grad_norm_E"], b["grad_norm_E"]),
+                                 (a["block_grad_norms"]["1E"], b["block_grad_norms"]["1E"])):
+            assert abs(value_a - value_b) <= 1e-5 * value_b
     # The header counts the whole model, not this rank's half of the experts: 4 x (32 x 32) x 2 + router
     # 128 + shared expert 2 x 1024 + norm 32.
     assert "E mixture-of-experts FFN         1        10,400" in result.output
@@ -83,6 +91,15 @@ def test_tier3_every_token_routed_to_one_ranks_experts_runs_and_matches_one_rank
     # none (up by it): 8 steps of 1e-3.
     assert torch.equal(bias > 99, torch.tensor([True, True, False, False]))
     assert (bias[2:] > 0).all() and (bias[:2] < 100).all()
+
+
+@pytest.mark.slow
+def test_expert_parallel_ranks_evaluate_the_whole_split_when_one_rank_runs_past_its_end(tmp_path, corpus):
+    """At val_fraction 0.3 the split's last global batch leaves rank 1 no real row: it must still run a
+    batch of the same shape, or its E blocks' all-to-all waits for a peer that has finished (it hung)."""
+    result = launch(tmp_path, corpus, timeout=120, **EP, **{
+        "train.steps": "3", "train.eval_every": "3", "train.eval_batches": "0", "data.val_fraction": "0.3"})
+    assert "over 3,637 tokens (the whole validation split)" in result.check().output
 
 
 @pytest.fixture(scope="module")

@@ -250,8 +250,9 @@ class ValLoader(_Packer):
             real = max(0, min(self.batch_size, self.num_rows - first))
             rows = self._stream.rows(first if real else 0, max(real, 1), self.seq_len)
             # Padding repeats a real row so shapes stay fixed; its targets stand for no bytes.
-            rows = np.concatenate([rows, np.repeat(rows[:1], self.batch_size - real, axis=0)]) \
-                if real < self.batch_size else rows
+            # (A rank past the split's end reads one row to repeat: it pads batch_size - 1 more.)
+            rows = np.concatenate([rows, np.repeat(rows[:1], self.batch_size - len(rows), axis=0)]) \
+                if len(rows) < self.batch_size else rows
             inputs, targets = rows[:, :-1], rows[:, 1:]
             target_bytes = self.shards.token_bytes[targets]
             target_bytes[real:] = 0
