@@ -1,4 +1,9 @@
-"""megacpp command line: one entry point, subcommands, presets, TOML configs and --section.key overrides."""
+"""megacpp command line: one entry point, subcommands, presets, TOML configs and --section.key overrides.
+
+The parser and `--help` load no torch: what this module imports at the top is torch-free (argparse, the
+preset names, the compile choices), and everything else is imported by the command that runs. Reading
+the configuration (`megacpp.run_config`) imports the model's config sections, and with them torch.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,13 +16,15 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megacpp.compile.config import BACKENDS, MODES
-from megacpp.config import Config, ConfigError, dump_toml
-from megacpp.errors import Interrupted, MegacppError, UsageError
+from megacpp.errors import ConfigError, Interrupted, MegacppError, UsageError
 from megacpp.presets import PRESETS
-from megacpp.run_config import load_config
-from megacpp.validate import SEED_MAX
+from megacpp.rules import SEED_MAX
+
+if TYPE_CHECKING:
+    from megacpp.config import Config
 
 EPILOG_CONFIG = """\
 configuration:
@@ -73,6 +80,8 @@ def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def build_config(args: argparse.Namespace, rest: Sequence[str]) -> Config:
+    from megacpp.run_config import load_config
+
     overrides = _split_overrides(rest)
     args.override_keys = [key for key, _ in overrides]
     cfg, _sources = load_config(args.preset, args.config, overrides)
@@ -261,6 +270,8 @@ def cmd_params(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
+    from megacpp.config import dump_toml
+
     print(dump_toml(cfg), end="")
     return 0
 
@@ -403,7 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     args.argv = argv  # what a supervised command runs again in its child
     try:
-        cfg = build_config(args, rest) if hasattr(args, "preset") else Config()
+        if hasattr(args, "preset"):
+            cfg = build_config(args, rest)
+        else:  # `cache` takes no configuration options
+            from megacpp.config import Config
+
+            cfg = Config()
         return args.func(args, cfg)
     except Interrupted as exc:
         return _fail(str(exc) if exc.complete else f"{exc}; {_resume_hint(argv)}", exc.exit_code)

@@ -15,12 +15,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from megacpp.config import Config, ConfigError
+from megacpp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megacpp.config import Config
+
+
+def _defaults() -> Config:
+    """The built-in defaults every preset starts from."""
+    # Imported here, not at the top: the preset names (`megacpp --help`'s choices) then load without
+    # megacpp.config, whose model sections import torch (~2 s before --help could answer).
+    from megacpp.config import Config
+
+    return Config()
 
 
 def tiny() -> Config:
-    cfg = Config()
+    cfg = _defaults()
     m = cfg.model
     m.d_model, m.depth, m.pattern = 128, 10, "AEMFR"
     m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 4, 2, 32
@@ -40,7 +53,7 @@ def tiny() -> Config:
 
 
 def small() -> Config:
-    cfg = Config()
+    cfg = _defaults()
     m = cfg.model
     m.d_model, m.depth, m.pattern = 768, 24, "AEMEAEMEAEMR"
     m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 6, 2, 128
@@ -92,7 +105,7 @@ def dense() -> Config:
 
 
 def nam52() -> Config:
-    cfg = Config()
+    cfg = _defaults()
     m = cfg.model
     m.d_model, m.depth, m.pattern = 2048, 52, "AEMEAEMEAEMR"
     m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 16, 4, 128

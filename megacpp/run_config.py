@@ -4,7 +4,8 @@ data work; and a saved config (a checkpoint's meta.json) read back through the s
 the gate is frozen (megacpp.section): the values it accepted are the values every layer reads.
 
 It sits above `megacpp.config` (the dataclasses and parsing), `megacpp.presets` and `megacpp.validate`,
-which all build on `megacpp.config`, so none of them imports another late.
+which all build on `megacpp.config`, so none of them needs a late import to break a cycle (presets.py
+imports it late only so that the preset names, the CLI's choices, load without torch).
 """
 from __future__ import annotations
 
