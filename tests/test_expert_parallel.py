@@ -75,6 +75,19 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
 
 
 @pytest.mark.slow
+def test_tier3_expert_parallelism_over_two_replicas_matches_four_replicate_ranks(tmp_path, corpus):
+    """4 ranks as EP 2 x 2 replicas (the expert gradients also all-reduced over the replicas) against 4
+    replicate ranks, 1 row each, 6 steps: measured 9.5e-7 apart, bounded at 1e-4."""
+    extra = {"train.steps": "6", "train.batch_size": "1"}
+    result = launch(tmp_path / "ep", corpus, nproc=4, timeout=300, **EP, **extra).check()
+    assert "expert parallelism 2 x 2 replica(s)" in result.output
+    launch(tmp_path / "rep", corpus, nproc=4, timeout=300, **extra).check()
+    ep, rep = losses(tmp_path / "ep" / "run"), losses(tmp_path / "rep" / "run")
+    assert len(ep) == len(rep) == 6 and ep[0] == rep[0]
+    assert max(abs(a - b) for a, b in zip(ep, rep, strict=True)) <= 1e-4
+
+
+@pytest.mark.slow
 def test_tier3_every_token_routed_to_one_ranks_experts_runs_and_matches_one_rank(tmp_path, corpus):
     """A skewed router (test-only: selection biases +100 on experts 0 and 1, both on rank 0) sends every
     routed row to rank 0; the dropless buffers take them all, so EP still matches one process."""
