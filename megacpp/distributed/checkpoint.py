@@ -185,9 +185,11 @@ def load(ctx: DistContext, path: Path, model: nn.Module, moments: dict[str, Tens
         if not ctx.distributed:
             model.load_state_dict(load_file(path / "model.safetensors", device=str(ctx.device)))
         elif experts is not None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            set_model_state_dict(model, _read_weights(path, experts))
+            # Every rank holds the whole weights of the file (its rows of the experts'): sharded (fsdp)
+            # parameters take their rows of them.
+            set_model_state_dict(model, _read_weights(path, experts), options=StateDictOptions(full_state_dict=True))
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

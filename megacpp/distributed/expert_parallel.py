@@ -44,6 +44,7 @@ from megacpp.distributed.config import DistConfig
 from megacpp.distributed.context import DistContext, DistError
 from megacpp.model.hints import canonical_name
 from megacpp.model.moe import MoE, batched_experts, expert_order, permute_rows
+from megacpp.optim.local import full_value
 
 EXPERT_PARAMETERS = ("w_up", "w_down")
 
@@ -181,8 +182,8 @@ class ExpertParallel:
         others = [g for g in grads if id(g) not in experts]
         device = grads[0].device if grads else self.ctx.device
         squares = torch.zeros(2, device=device)
-        if others:
-            squares[0] = torch.nn.utils.get_total_norm(others, foreach=True).float().square()
+        if others:  # sharded (fsdp) gradients give the global norm as a replicated DTensor
+            squares[0] = full_value(torch.nn.utils.get_total_norm(others, foreach=True)).float().square()
         if mine:
             squares[1] = torch.nn.utils.get_total_norm(mine, foreach=True).float().square()
         dist.all_reduce(squares[1:], group=self.group)
@@ -233,7 +234,7 @@ def expert_blocks(model: nn.Module) -> list[tuple[str, MoE]]:
 
 def check_expert_parallel(model: nn.Module, cfg: DistConfig, ctx: DistContext) -> None:
     """The settings EP needs, as one line naming the key: P divides the world and every block's experts,
-    token-choice routing, replicate data parallelism."""
+    token-choice routing."""
     degree = cfg.expert_parallel
     if ctx.world_size % degree:
         raise DistError(f"dist.expert_parallel = {degree} does not divide the {ctx.world_size} ranks of this job")
@@ -246,9 +247,6 @@ def check_expert_parallel(model: nn.Module, cfg: DistConfig, ctx: DistContext) -
                             "(model.moe.n_experts)")
         if moe.cfg.routing != "token_choice":
             raise DistError(f"dist.expert_parallel needs model.moe.routing = 'token_choice' (got {moe.cfg.routing!r})")
-    if cfg.strategy == "fsdp":
-        raise DistError("dist.expert_parallel > 1 runs with dist.strategy = 'replicate' (or 'auto'): FSDP2 over the "
-                        "replica dimension is not built")
 
 
 def shard_experts(model: nn.Module, cfg: DistConfig, ctx: DistContext) -> ExpertParallel | None:

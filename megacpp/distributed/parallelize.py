@@ -27,9 +27,10 @@ ROOT_METHODS = ("forward_step",)
 BLOCK_METHODS = ("forward_step",)
 
 
-def fully_shard_model(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, ctx: DistContext
-                      ) -> CompiledModel:
-    """Compile `model` per `compile_cfg`, then shard it over `ctx`'s mesh."""
+def fully_shard_model(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, ctx: DistContext,
+                      ignored: set[nn.Parameter] | None = None) -> CompiledModel:
+    """Compile `model` per `compile_cfg`, then shard it over `ctx`'s mesh, all but the ``ignored``
+    parameters (expert parallelism's expert rows, already split by expert)."""
     compiled = compile_model(model, compile_cfg)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -38,12 +39,13 @@ def fully_shard_model(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: Di
         reduce_dtype=torch.float32,  # gradients are averaged in fp32 whatever the compute dtype
     )
     for block in model.blocks:
-        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=dist_cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=dist_cfg.reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored or None)
         for name in BLOCK_METHODS:
             register_fsdp_forward_method(block, name)
     # The root's own parameters (embeddings, head, final norm) are used last in the forward and first
     # in the backward: keeping them gathered after forward saves one all-gather per step.
-    fully_shard(model, mesh=ctx.mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored or None)
     for name in ROOT_METHODS:
         register_fsdp_forward_method(model, name)
     return compiled

@@ -70,6 +70,8 @@ class DataParallel:
 
     def after_backward(self) -> None:
         """Every backward of the step is done: gradients must be the global mean from here on."""
+        if self.experts is not None:
+            self.experts.finish_gradients()
 
     def after_optimizers(self) -> None:
         """The optimizers stepped: every rank must hold the new weights from here on."""
@@ -103,8 +105,7 @@ class ReplicatedParallel(DataParallel):
 
     def after_backward(self) -> None:
         self.replication.gradients.finish()
-        if self.experts is not None:
-            self.experts.finish_gradients()
+        super().after_backward()
 
     def after_optimizers(self) -> None:
         self.replication.updates.gather()
@@ -153,18 +154,21 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
     # Before compile, so that the E blocks' graphs trace the exchange; before the choice, which sizes
     # what this rank holds.
     experts = shard_experts(model, dist_cfg, ctx)
-    if experts is not None:
-        strategy, why = "replicate", "the parameters besides the experts"
+    if experts is not None and dist_cfg.strategy == "auto":
+        # The expert rows (most of an MoE model) are already split: what remains replicated is small
+        # (`nam52` with EP 2: 55.0 GiB per GPU in all, BENCHMARKS.md).
+        strategy, why = "replicate", "auto: the parameters besides the experts"
     else:
         strategy, why = choose_strategy(dist_cfg.strategy, model,
                                         state_bytes() if dist_cfg.strategy == "auto" else 0, ctx)
+    local = set(experts.params.values()) if experts is not None else set()
     if strategy == "fsdp":
-        return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx), "fsdp", why,
-                                    {"muon": ShardedMuon})
+        return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx, ignored=local), "fsdp", why,
+                                    {"muon": ShardedMuon}, experts=experts)
     compiled = compile_model(model, compile_cfg)
     hinted = _orthogonalized(model)
     replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p in hinted, ns_steps),
-                            local=experts.holds if experts is not None else lambda p: False)
+                            local=lambda p: p in local)
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
 

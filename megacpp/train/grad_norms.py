@@ -59,7 +59,10 @@ class PartGradNorms:
         norms = iter(torch._foreach_norm(grads)) if grads else iter(())
         squares = torch.stack([next(norms).float() if p.grad is not None else self.zero
                                for p in self.params]).square()
-        if self.experts is not None:
+        if self.experts is not None and self.sharded:
+            # Summed over every rank below: each expert row is held by its replicas, count it once.
+            squares = torch.where(self.is_expert, squares / self.experts.replicas, squares)
+        elif self.experts is not None:
             squares = self.experts.square_sums(squares, self.is_expert)
         totals = torch.stack([squares.index_select(0, index).sum() for index in self.part_index + self.block_index])
         if self.sharded:
