@@ -58,7 +58,7 @@ from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.finetune import fine_tuning_config, load_initial_weights
 from megacpp.train.grad_norms import PartGradNorms, spike_summary
-from megacpp.train.guards import DivergenceGuard, check_finite_weights, stop_nonfinite_loss
+from megacpp.train.guards import DivergenceGuard, TrainingFault, check_finite_weights, stop_nonfinite_loss
 from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
@@ -143,6 +143,7 @@ class Trainer:
         self.votes = StopVotes(ctx, self.device, tc.time_budget_s)
         self.step = 0
         self.losses: list[float] = []
+        self.guard = DivergenceGuard(self.cfg.model)
         if ctx.distributed:  # one process has nobody to compare with: build nothing
             check_parity(ctx, {
                 "config": shared_config(to_dict(self.cfg)), "versions": library_versions(self.device),
@@ -184,7 +185,7 @@ class Trainer:
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
                  "elapsed_s": self.votes.elapsed()}
         path = self.run_dir.save(self.step, self.model, self.stack.moments(), state, self.meta(),
-                                 self.data.tokenizer_json)
+                                 self.data.tokenizer_json, self.guard.implicated_from(self.losses, self.step))
         self.attempt.checkpoint_published()
         return path
 
@@ -236,7 +237,7 @@ class Trainer:
             metrics.log(self.step, "baselines", self.data.baselines.record())
         bar = tqdm(total=tc.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    desc="train", unit="step")
-        records = StepRecords(metrics, bar, self.part_grad_norms, DivergenceGuard(cfg.model, self.out_dir),
+        records = StepRecords(metrics, bar, self.part_grad_norms, self.guard,
                               tc.log_every, flops_per_token(self.model, cfg.data.seq_len), peak_flops(self.device))
         watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
@@ -292,6 +293,9 @@ class Trainer:
         except BaseException as exc:
             # a warmup out-of-memory error of a supervised attempt leaves here, for a retry
             self.attempt.on_failure(exc, ctx.rank, self.batch.micro_batch, self.step + 1, self.device)
+            if isinstance(exc, TrainingFault):  # its weights must not be what --resume continues from
+                implicated = self.guard.implicated_from(self.losses, exc.suspect_step)
+                raise exc.with_note(self.run_dir.set_aside_from(implicated)) from None
             raise
         finally:
             if watchdog is not None:
@@ -425,7 +429,7 @@ class Trainer:
         self.votes.record(read)
         value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
-            stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch, self.out_dir)
+            stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         self.stack.step()
         run_after_optimizer_step(self.model)
