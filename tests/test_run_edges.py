@@ -8,8 +8,11 @@ from pathlib import Path
 import torch
 
 from megacpp.cli import main
+from megacpp.errors import MegacppError
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.loop import Trainer
+from megacpp.train.metrics import read_metrics
+from megacpp.train.rundir import LOCK_NAME
 from tests.helpers import tiny_train_args
 
 
@@ -55,3 +58,59 @@ def test_a_divergence_sets_its_ruined_checkpoints_aside_and_resume_continues_fro
     out = capsys.readouterr().out
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in out
     assert [p.name for p in list_checkpoints(run)][0] == "step_00000008"
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_the_same_command_after_a_run_that_failed_before_its_first_checkpoint_starts_over(
+        tmp_path, small_corpus, monkeypatch, capsys):
+    """Before, the failed run's metrics.jsonl made the same command refuse ("already holds a run") although
+    nothing could be resumed. Now it starts over and keeps the old run's files aside, byte for byte."""
+    original = Trainer.train_step
+
+    def fail_in_step_two(self: Trainer) -> float:
+        if self.step == 1:
+            raise MegacppError("injected failure in step 2")
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", fail_in_step_two)
+    settings = {"train.steps": "2", "train.ckpt_every": "2"}
+    assert _train(tmp_path, small_corpus, **settings) == 1
+    assert "injected failure in step 2" in _one_line_error(capsys.readouterr().err)
+    run = tmp_path / "run"
+    assert not list_checkpoints(run) and (run / "metrics.jsonl").stat().st_size > 0
+    before = {name: data for name, data in _files(run).items() if name != LOCK_NAME}
+
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert _train(tmp_path, small_corpus, **settings) == 0
+    out, err = capsys.readouterr()
+    (previous,) = run.glob("previous-*")
+    assert (f"train.out_dir {run} holds a run with no checkpoint to resume from (metrics.jsonl): starting over; "
+            f"its files moved to {previous}") in out
+    assert "Traceback" not in out + err
+    assert _files(previous) == before
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+
+
+def test_resume_with_no_usable_checkpoint_says_so_and_starts_metrics_over(tmp_path, small_corpus, capsys):
+    """Before, it started from step 0 and appended to the old metrics (steps 1, 2 then 1, 2 again)."""
+    settings = {"train.steps": "2", "train.ckpt_every": "1", "train.eval_every": "2"}
+    assert _train(tmp_path, small_corpus, **settings) == 0
+    run = tmp_path / "run"
+    for checkpoint in list_checkpoints(run):
+        (checkpoint / "model.safetensors").write_bytes(b"broken")
+    before = _files(run)
+    capsys.readouterr()
+
+    assert _train(tmp_path, small_corpus, "--resume", **settings) == 0
+    out, err = capsys.readouterr()
+    (previous,) = run.glob("previous-*")
+    assert (f"--resume: none of the 2 checkpoints verifies under {run / 'checkpoints'}; starting from step 0; "
+            f"the old metrics.jsonl and checkpoints moved to {previous}") in out
+    assert "Traceback" not in out + err
+    assert _files(previous) == {name: data for name, data in before.items()
+                                if name == "metrics.jsonl" or name.startswith("checkpoints/")}
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    assert (run / "metrics.jsonl").read_text().count('"kind": "train"') == 2

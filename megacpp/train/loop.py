@@ -49,6 +49,7 @@ from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
 from megacpp.optim.groups import optimizer_state_bytes
 from megacpp.run_config import gate
+from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
@@ -68,6 +69,7 @@ from megacpp.train.readback import Readback
 from megacpp.train.recompute import apply_recompute
 from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
+from megacpp.train.rundir import start_over
 from megacpp.train.sample import end_of_run_sample
 from megacpp.train.votes import StopVotes
 from megacpp.versions import torch_version
@@ -192,7 +194,10 @@ class Trainer:
     def resume(self) -> Path | None:
         path = self.run_dir.resume_checkpoint()
         if path is None:
-            self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
+            broken = len(list_checkpoints(self.out_dir))  # each was named as skipped while looking
+            found = f"none of the {broken} checkpoints verifies" if broken else "no checkpoint"
+            restart = start_over(self.out_dir) if self.ctx.is_main else "starting from step 0"
+            self.log(f"--resume: {found} under {checkpoint_root(self.out_dir)}; {restart}")
             return None
         state, meta = self.run_dir.restore(path, to_dict(self.cfg.model), self.data.tokenizer_hash, self.model,
                                            self.stack.moments())
