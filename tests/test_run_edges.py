@@ -10,10 +10,12 @@ import torch
 from megacpp.cli import main
 from megacpp.errors import MegacppError
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
+from megacpp.train.autofit.supervisor import explained_error
 from megacpp.train.loop import Trainer
 from megacpp.train.metrics import read_metrics
 from megacpp.train.rundir import LOCK_NAME
 from tests.helpers import tiny_train_args
+from tests.torchrun import python, worker_env
 
 
 def _train(tmp_path: Path, corpus: Path, *extra: str, **overrides: str) -> int:
@@ -114,3 +116,24 @@ def test_resume_with_no_usable_checkpoint_says_so_and_starts_metrics_over(tmp_pa
                                 if name == "metrics.jsonl" or name.startswith("checkpoints/")}
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
     assert (run / "metrics.jsonl").read_text().count('"kind": "train"') == 2
+
+
+def test_a_cuda_device_on_a_machine_without_cuda_is_said_once_through_the_autofit_supervisor(tmp_path, small_corpus):
+    """`cuda:0` starts the auto-fit supervisor, whose child refuses the device; before, the supervisor
+    printed the child's one line again below it."""
+    launch = python(["-m", "megacpp.cli", *tiny_train_args(tmp_path, small_corpus, **{"train.device": "cuda:0"})],
+                    timeout=120, env=worker_env({"CUDA_VISIBLE_DEVICES": ""}))
+    assert launch.returncode == 2, launch.output
+    assert "Traceback" not in launch.output
+    said = [line for line in launch.output.splitlines() if "cuda:0" in line]
+    assert len(said) == 1 and said[0].startswith("megacpp: config error: train.device = 'cuda:0' but torch"), said
+    assert " sees no CUDA device" in said[0]
+    assert not list_checkpoints(tmp_path / "run")
+
+
+def test_the_supervisor_still_shows_a_crashed_childs_tail():
+    explained = ["corpus ...", "megacpp: error: step 2: loss is nan; ..."]
+    assert explained_error(1, explained)
+    assert not explained_error(1, ["Traceback (most recent call last):", "megacpp: error: a line after it"])
+    assert not explained_error(1, ["RuntimeError: injected crash in step 2"])
+    assert not explained_error(137, explained)  # killed: the line was not its last word
