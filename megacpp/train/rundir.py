@@ -19,15 +19,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from megacpp.errors import MegacppError
+from megacpp.run_files import LOCK_NAME, PREVIOUS_PREFIX, RUN_ENTRIES, RUN_PATTERNS
 from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
-
-LOCK_NAME = ".megacpp.lock"
-PREVIOUS_PREFIX = "previous-"
-# What megacpp writes in a run directory; only these move aside on train.overwrite. The directory may
-# hold the user's own files too (`--train.out_dir .` beside a corpus): those stay where they are.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.toml", "loss.png", "sample.txt", "logs", "tensorboard",
-               "profile")
-RUN_PATTERNS = ("position_curve-*.json",)
 
 
 class RunDirError(MegacppError):
