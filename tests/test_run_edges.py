@@ -3,6 +3,7 @@ traceback, and loses nothing on disk. A diverged run leaves its last healthy che
 resume from; a run with nothing to resume starts over keeping the old run's files aside."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -137,3 +138,39 @@ def test_the_supervisor_still_shows_a_crashed_childs_tail():
     assert not explained_error(1, ["Traceback (most recent call last):", "megacpp: error: a line after it"])
     assert not explained_error(1, ["RuntimeError: injected crash in step 2"])
     assert not explained_error(137, explained)  # killed: the line was not its last word
+
+
+def test_a_host_out_of_memory_error_is_one_line_and_keeps_the_checkpoints(tmp_path, small_corpus):
+    """The host allocator's error is a plain RuntimeError, which printed a traceback before."""
+    hooks = Path(__file__).resolve().parent / "hooks"
+    env = worker_env({"MEGACPP_TEST_HOST_OOM_AT_STEP": "3"})
+    env["PYTHONPATH"] = f"{hooks}{os.pathsep}{env['PYTHONPATH']}"
+    args = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "4", "train.ckpt_every": "2"})
+    launch = python(["-m", "megacpp.cli", *args], timeout=120, env=env)
+    assert launch.returncode == 1, launch.output
+    assert "Traceback" not in launch.output
+    errors = [line for line in launch.output.splitlines() if line.startswith("megacpp: ")]
+    assert errors == ["megacpp: error: out of host memory: could not allocate 1,125,899,906,842,624 bytes (torch's "
+                      "DefaultCPUAllocator); lower the batch (train.micro_batch), data.seq_len or the model's size, "
+                      "or free memory; checkpoints already written are intact"], launch.output[-3000:]
+    (kept,) = list_checkpoints(tmp_path / "run")
+    assert kept.name == "step_00000002"
+    verify_checkpoint(kept)
+
+
+def test_a_device_out_of_memory_error_after_warmup_is_one_line(tmp_path, small_corpus, monkeypatch, capsys):
+    """Outside auto-fit's warmup window nothing retries it; before, it printed a traceback."""
+    original = Trainer.train_step
+
+    def out_of_memory_in_step_two(self: Trainer) -> float:
+        if self.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)\n"
+                                         "See documentation for Memory Management")
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", out_of_memory_in_step_two)
+    assert _train(tmp_path, small_corpus, **{"train.steps": "2"}) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert line == ("megacpp: error: out of device memory: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; "
+                    "79.1 GiB total); lower the batch (train.micro_batch), data.seq_len or the model's size, or free "
+                    "memory; checkpoints already written are intact")
