@@ -150,7 +150,7 @@ class RunDirectory:
         return self.ctx.broadcast_object(note)
 
     def save(self, step: int, model: nn.Module, moments: dict[str, Tensor], state: dict[str, Any],
-             meta: dict[str, Any], tokenizer_json: Callable[[], bytes], in_doubt_from: int) -> Path:
+             meta: dict[str, Any], tokenizer_json: Callable[[], bytes], *, in_doubt_from: int) -> Path:
         """Checkpoint ``step``, written by every rank together (megacpp.distributed.checkpoint.save).
         Older checkpoints from step ``in_doubt_from`` on (saved from weights whose loss is already above the
         divergence level: a divergence would set them aside) do not count toward train.keep_last: pruning

@@ -186,8 +186,9 @@ class Trainer:
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
                  "elapsed_s": self.votes.elapsed()}
+        in_doubt_from = self.guard.implicated_from(self.losses, self.step)
         path = self.run_dir.save(self.step, self.model, self.stack.moments(), state, self.meta(),
-                                 self.data.tokenizer_json, self.guard.implicated_from(self.losses, self.step))
+                                 self.data.tokenizer_json, in_doubt_from=in_doubt_from)
         self.attempt.checkpoint_published()
         return path
 
