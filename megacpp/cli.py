@@ -11,6 +11,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -393,6 +394,23 @@ def _describe_os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc}: {names}"
 
 
+def _out_of_memory(exc: RuntimeError) -> str | None:
+    """One line for an allocator's out-of-memory error, or None for any other RuntimeError (a bug). On the
+    host it is a plain RuntimeError naming torch's DefaultCPUAllocator; on a GPU torch.OutOfMemoryError
+    (matched by name: the CLI does not import torch)."""
+    text = str(exc)
+    remedy = ("lower the batch (train.micro_batch), data.seq_len or the model's size, or free memory; "
+              "checkpoints already written are intact")
+    if "DefaultCPUAllocator: can't allocate memory" in text:
+        size = re.search(r"allocate (\d+) bytes", text)
+        what = f"could not allocate {int(size.group(1)):,} bytes" if size else "an allocation failed"
+        return f"out of host memory: {what} (torch's DefaultCPUAllocator); {remedy}"
+    if type(exc).__name__ == "OutOfMemoryError":
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        return f"out of device memory: {first}; {remedy}"
+    return None
+
+
 def _resume_hint(argv: Sequence[str]) -> str:
     """The command that continues an interrupted run."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: this rank cannot see the launch command
@@ -406,8 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted (Ctrl-C) and 143 when stopped by SIGTERM (after saving), 141 when `sample`'s reader closes
     the pipe (`| head`), as SIGPIPE would.
 
-    Explained errors (`MegacppError`, and the OS refusing a path: unwritable, missing, full disk) print
-    one line. Anything else is a megacpp bug and keeps its traceback.
+    Explained errors (`MegacppError`, the OS refusing a path: unwritable, missing, full disk, and an
+    allocator out of memory) print one line. Anything else is a megacpp bug and keeps its traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -433,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"error: {exc}", 1)
     except OSError as exc:
         return _fail(f"error: {_describe_os_error(exc)}", 1)
+    except RuntimeError as exc:
+        if (message := _out_of_memory(exc)) is None:
+            raise
+        return _fail(f"error: {message}", 1)
 
 
 if __name__ == "__main__":

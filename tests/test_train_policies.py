@@ -133,7 +133,7 @@ def test_stop_votes_of_one_process_read_its_own_clock_and_flag(monkeypatch):
 def test_the_divergence_guard_counts_consecutive_high_steps_only():
     cfg = Config()
     cfg.model.vocab_size = 100
-    guard = DivergenceGuard(cfg.model, Path("run"))
+    guard = DivergenceGuard(cfg.model)
     high = 1.6 * math.log(100)
     for step in range(1, DIVERGED_STEPS):  # one step short of the rule
         guard.check(step, high, 1.0)
@@ -244,3 +244,16 @@ def test_the_gate_refuses_an_autofit_floor_above_the_batch():
     with pytest.raises(ConfigError, match=r"train.oom_min_micro_batch = 8: the smallest micro-batch auto-fit may "
                                           r"try is larger than the batch it splits; train.batch_size = 4"):
         load_config("tiny", None, [("train.batch_size", "4"), ("train.oom_min_micro_batch", "8")])
+
+
+def test_the_weights_in_doubt_reach_back_over_losses_already_above_the_divergence_level():
+    """Step i + 1's loss is computed from the weights after step i: a fault implicating the weights after
+    step 5 implicates those after step 3 too when steps 4 and 5 already lost above the level."""
+    cfg = Config()
+    cfg.model.vocab_size = 100
+    guard = DivergenceGuard(cfg.model)
+    high, low = 1.6 * math.log(100), 1.4 * math.log(100)
+    losses = [low, low, low, high, high]  # steps 1..5
+    assert guard.implicated_from(losses, 5) == 3
+    assert guard.implicated_from(losses, 3) == 3
+    assert guard.implicated_from([high, high], 2) == 0  # from the initial weights on

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import stat
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -17,8 +18,17 @@ from megacpp.data.config import DataConfig
 from megacpp.data.repository import group_files, include_order, join_parts, repository_dirs
 from megacpp.data.system_corpus import SourceTree, default_corpus_root, system_trees
 from megacpp.errors import MegacppError
+from megacpp.run_files import LOCK_NAME, is_run_entry
 
 IGNORED_SHOWN = 6  # extensions the summary names of the files it did not read
+
+# The tokenizer's pre-tokens (megacpp.data.tokenizer.SPLIT_PATTERN) end at a line end, except a run of
+# blank space across lines, and BPE training on one pre-token takes time quadratic in its length (a word
+# of 16 KiB 0.14 s, 64 KiB 1.5 s, 1 MiB over 2 minutes; a 200 MB line aborted the tokenizer library at
+# 8.9 GB). A document with a longer line or blank run is skipped, counted as `long_line`. Code lines are
+# far shorter: torch/include's longest is 1.8 KB.
+MAX_LINE_BYTES = 65536
+_LONG_BLANK_RUN = re.compile(rb"(?<!\s)\s{%d}" % (MAX_LINE_BYTES + 1))  # from a run's start: one scan per run
 
 
 class CorpusError(MegacppError, ValueError):
@@ -75,6 +85,7 @@ class Corpus:
     unreadable_trees: list[str] = field(default_factory=list)  # trees that exist but cannot be listed
     documents: str = "file"  # data.documents: what one document is
     ignored: Counter = field(default_factory=Counter)  # extension -> files not read for it
+    left_out: list[str] = field(default_factory=list)  # megacpp's own directories found in it (_OwnDirs)
 
     def split(self, name: str) -> list[Document]:
         return [d for d in self.docs if d.split == name]
@@ -98,6 +109,8 @@ class Corpus:
             more = ", ..." if len(self.ignored) > IGNORED_SHOWN else ""
             line += (f"; not read, by extension: {sum(self.ignored.values())} ({top}{more}; "
                      "data.extensions adds one)")
+        if self.left_out:
+            line += f"; left out, as megacpp's own: {', '.join(map(_printable, self.left_out))}"
         if n_val == 1:
             line += ("\nwarning: the validation split is one document: its bits/byte says little; raise "
                      "data.val_fraction")
@@ -134,8 +147,13 @@ class _Filter:
         return False
 
     def accept(self, data: bytes) -> tuple[str, str] | None:
-        """(text, content hash) of a file or record within the size limits, UTF-8 and not seen before."""
+        """(text, content hash) of a file or record within the size limits, UTF-8, without a line the
+        tokenizer cannot take (MAX_LINE_BYTES) and not seen before."""
         if not self.size_ok(len(data)):
+            return None
+        if len(data) > MAX_LINE_BYTES and (max(map(len, data.split(b"\n"))) > MAX_LINE_BYTES
+                                           or _LONG_BLANK_RUN.search(data)):
+            self.skipped["long_line"] += 1
             return None
         try:
             text = data.decode("utf-8")
@@ -171,14 +189,51 @@ class _Filter:
         return "val" if is_val(doc_hash, self.cfg.val_fraction) else "train"
 
 
+@dataclass
+class _OwnDirs:
+    """megacpp's own directories, left out of every corpus so that its files never become training data:
+    - a run directory, marked by the lock file every run creates first and leaves behind
+      (megacpp.run_files): the files megacpp writes there are left out, the user's own stay in (a run
+      may write into the corpus root itself, ``--train.out_dir .``);
+    - the caches this process uses, by path: ``data.cache_dir`` and the compile cache megacpp exports as
+      TORCHINDUCTOR_CACHE_DIR (Inductor writes generated C++ there).
+    What was left out is listed in `found` as ``<label>/<path> (<what>)``."""
+
+    caches: dict[str, str]  # real path -> what it is
+    found: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> _OwnDirs:
+        caches = {cfg.resolved_cache_dir(): "the data cache"}
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            caches[Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])] = "the compile cache"
+        # realpath, as the walk's roots are resolved; unlike Path.resolve it never raises on a link loop
+        return cls({os.path.realpath(path.expanduser()): what for path, what in caches.items()})
+
+    def leave_out(self, label: str, rel: str, dirpath: str, dirnames: list[str], filenames: list[str]) -> None:
+        """Drop megacpp's own entries from one step of an ``os.walk`` (in place), noting each."""
+        where = f"{label}/{rel}" if rel != "." else label
+        if LOCK_NAME in filenames:
+            self.found.append(f"{where} (a run directory's files)")
+            filenames[:] = [name for name in filenames if not is_run_entry(name)]
+            dirnames[:] = [name for name in dirnames if not is_run_entry(name)]
+        for name in list(dirnames):
+            what = self.caches.get(os.path.join(dirpath, name))
+            if what is not None:
+                self.found.append(f"{where}/{name} ({what})")
+                dirnames.remove(name)
+
+
 def _list_files(
     root: Path, suffixes: set[str], skipped: Counter, label: str | None = None,
     skip_dirs: frozenset[Path] = frozenset(), extensionless: bool = False, ignored: Counter | None = None,
+    own: _OwnDirs | None = None,
 ) -> list[tuple[str, Path]]:
     """(label, path) of matching names under root, sorted by relative path; a directory that cannot
     be listed is counted as `unreadable_dir` instead of ending discovery. Labels start with `label`
-    (default: the root's name); directories in `skip_dirs` are not entered. Files of other extensions
-    are counted in `ignored` by extension ("(none)" for a name without one; hidden files not at all)."""
+    (default: the root's name); directories in `skip_dirs` are not entered, nor megacpp's `own`. Files of
+    other extensions are counted in `ignored` by extension ("(none)" for a name without one; hidden files
+    not at all)."""
     label = label or root.name
     if not root.is_dir():  # a file named directly (or a special file, rejected when it is read)
         return [(label, root)]
@@ -195,6 +250,8 @@ def _list_files(
     for dirpath, dirnames, filenames in os.walk(root, onerror=count_unlistable):
         if skip_dirs:
             dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in skip_dirs]
+        if own is not None:
+            own.leave_out(label, os.path.relpath(dirpath, root), dirpath, dirnames, filenames)
         for name in filenames:
             if wanted(name):
                 path = Path(dirpath, name)
@@ -348,7 +405,7 @@ def _is_listable(path: Path) -> bool:
         return False
 
 
-def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filter
+def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filter, own: _OwnDirs
                        ) -> tuple[int, list[SourceStats], list[str]]:
     """Walk each tree once (trees nested in it are skipped there: they are walked on their own) and
     account for what each contributed. Only C/C++ extensions: a system tree's .txt or .jsonl files are
@@ -361,7 +418,7 @@ def _read_system_trees(trees: Sequence[SourceTree], cfg: DataConfig, flt: _Filte
             continue
         nested = frozenset(t.path for t in trees if t.path != tree.path and t.path.is_relative_to(tree.path))
         first_doc = len(flt.docs)
-        files = _list_files(tree.path, suffixes, flt.skipped, tree.name, nested, tree.extensionless)
+        files = _list_files(tree.path, suffixes, flt.skipped, tree.name, nested, tree.extensionless, own=own)
         if cfg.documents == "file":
             for label, path in files:
                 _read_file(label, path, False, cfg, flt, tree.path)
@@ -389,10 +446,11 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
     sources: list[SourceStats] = []
     unreadable: list[str] = []
     ignored: Counter = Counter()  # a user's own trees only: a system tree is mostly not code
+    own = _OwnDirs.of(cfg)
     if cfg.corpus == "system":
         trees = list(system) if system is not None else system_trees()
         roots = [t.path for t in trees]
-        files_seen, sources, unreadable = _read_system_trees(trees, cfg, flt)
+        files_seen, sources, unreadable = _read_system_trees(trees, cfg, flt, own)
         exts = sorted(cfg.extensions)
     else:
         # Resolved, so "." still has a name to prefix document sources with.
@@ -405,7 +463,7 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
         jsonl_ext = {e.lower() for e in cfg.jsonl_extensions}
         files_seen = 0
         for root in roots:
-            files = _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped, ignored=ignored)
+            files = _list_files(root, source_ext | text_ext | jsonl_ext, flt.skipped, ignored=ignored, own=own)
             files_seen += len(files)
             if cfg.documents == "file":
                 top = root if root.is_dir() else root.parent
@@ -416,7 +474,7 @@ def discover_corpus(cfg: DataConfig, system: Sequence[SourceTree] | None = None)
         exts = sorted(source_ext | text_ext | jsonl_ext)
     docs = _ensure_val(flt.docs, cfg.val_fraction)
     corpus = Corpus(docs, roots, files_seen, flt.skipped, _corpus_hash(docs), sources, unreadable, cfg.documents,
-                    ignored)
+                    ignored, own.found)
     if files_seen == 0:
         raise CorpusError(f"no corpus files with extensions {exts} under {[str(r) for r in roots]}")
     if not any(d.split == "train" for d in docs):

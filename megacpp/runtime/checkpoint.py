@@ -102,6 +102,22 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of checkpoint directory `path` (named by `checkpoint_dirs`)."""
+    return int(CKPT_DIR_RE.match(path.name).group(1))
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename checkpoint `path` to ``<name>.<reason>`` (``-2``, ``-3``... if taken), out of what resumes,
+    evaluation and pruning see (they list only ``step_<8 digits>``), deleting nothing; returns the new path."""
+    target, n = path.with_name(f"{path.name}.{reason}"), 2
+    while target.exists():  # set aside at this step before, by an earlier run of this directory
+        target, n = path.with_name(f"{path.name}.{reason}-{n}"), n + 1
+    path.rename(target)
+    _verdicts.pop(path, None)
+    return target
+
+
 def _prune(fresh: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints that verify (`fresh`, just written, counts as one without
     re-hashing) and every checkpoint newer than the oldest of those; delete only what is older. A

@@ -15,15 +15,29 @@ from megacpp.errors import MegacppError
 from megacpp.optim.local import local_tensor
 
 
-class NonFiniteLossError(MegacppError, RuntimeError):
-    """Training produced a NaN or infinite loss; the last good checkpoint is left untouched."""
+class TrainingFault(MegacppError, RuntimeError):
+    """Training went wrong in a way that implicates the weights as of step ``suspect_step``: the loss or
+    gradient that showed it was computed from them. A checkpoint of that step or later holds weights the
+    run must not resume from (megacpp.train.lifecycle sets them aside)."""
+
+    def __init__(self, message: str, suspect_step: int) -> None:
+        super().__init__(message)
+        self.suspect_step = suspect_step
+
+    def with_note(self, note: str) -> TrainingFault:
+        """The same error, its message followed by ``note`` (what was set aside, where to resume)."""
+        return type(self)(f"{self}; {note}", self.suspect_step)
+
+
+class NonFiniteLossError(TrainingFault):
+    """Training produced a NaN or infinite loss."""
 
 
 class NonFiniteWeightsError(MegacppError, RuntimeError):
     """A weight holds NaN or infinity at checkpoint time: the checkpoint is not written."""
 
 
-class DivergenceError(MegacppError, RuntimeError):
+class DivergenceError(TrainingFault):
     """Training diverged without a NaN (a loss far above chance, or no gradient at all)."""
 
 
@@ -45,22 +59,30 @@ class DivergenceGuard:
     """Stops a run that diverged without a NaN (the rule is at DIVERGED_FACTOR). Both values it reads
     are global (the loss averaged over ranks, the norm of the sharded gradients): every rank agrees."""
 
-    def __init__(self, model_cfg: Any, out_dir: Path) -> None:
+    def __init__(self, model_cfg: Any) -> None:
         self.model_cfg = model_cfg
-        self.out_dir = out_dir
         self.high_loss_steps = 0  # consecutive steps above the divergence level
+
+    def implicated_from(self, losses: list[float], step: int) -> int:
+        """The first step whose weights are in doubt when those after `step` are: earlier steps whose loss
+        (``losses[i]`` is step i + 1's, computed from the weights after step i) was already above the
+        divergence level implicate theirs too."""
+        level = DIVERGED_FACTOR * uniform_loss(self.model_cfg)
+        while step >= 1 and losses[step - 1] > level:
+            step -= 1
+        return step
 
     def check(self, step: int, loss: float, grad_norm: float | None) -> None:
         if grad_norm == 0.0:
             raise DivergenceError(f"step {step}: the gradient norm is exactly 0: nothing is learning (a "
-                                  "detached loss, or every target ignored); the run was stopped")
+                                  "detached loss, or every target ignored); the run was stopped", step - 1)
         level = DIVERGED_FACTOR * uniform_loss(self.model_cfg)
         self.high_loss_steps = self.high_loss_steps + 1 if loss > level else 0
         if self.high_loss_steps >= DIVERGED_STEPS:
             raise DivergenceError(
                 f"step {step}: loss {loss:.3f} above {level:.3f} ({DIVERGED_FACTOR} x the uniform-prediction "
                 f"loss ln({self.model_cfg.vocab_size})) for {DIVERGED_STEPS} consecutive steps: training diverged; "
-                f"lower the learning rates and resume from the last checkpoint under {self.out_dir / 'checkpoints'}")
+                "lower the learning rates", step - DIVERGED_STEPS)
 
 
 def first_nonfinite_parameter(model: nn.Module) -> str | None:
@@ -112,7 +134,7 @@ def find_nonfinite_sublayer(model: nn.Module, x: Tensor, doc_ids: Tensor) -> str
 
 
 def stop_nonfinite_loss(ctx: DistContext, model: nn.Module, step: int, value: float, local: float,
-                        last_batch: tuple[Tensor, Tensor], out_dir: Path) -> None:
+                        last_batch: tuple[Tensor, Tensor]) -> None:
     """Raise NonFiniteLossError on every rank together (each saw the same reduced loss ``value``; ``local``
     is this rank's own), naming the first non-finite sublayer of each rank whose own loss was bad."""
     where = find_nonfinite_sublayer(model, *last_batch)  # every rank: collectives in lockstep
@@ -123,5 +145,4 @@ def stop_nonfinite_loss(ctx: DistContext, model: nn.Module, step: int, value: fl
         detail = f"loss is {value} on rank(s) {', '.join(str(r) for r, (ok, _) in enumerate(reports) if not ok)}"
     else:
         detail, where = f"loss is {value}", f"first non-finite output at {where}"
-    raise NonFiniteLossError(f"step {step}: {detail}; {where}. The last good checkpoint under "
-                             f"{out_dir / 'checkpoints'} is untouched.")
+    raise NonFiniteLossError(f"step {step}: {detail}; {where}", step - 1)

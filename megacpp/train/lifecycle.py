@@ -19,7 +19,15 @@ from megacpp.distributed.context import DistContext
 from megacpp.distributed.expert_parallel import ExpertParallel
 from megacpp.optim.schedule import LRScheduler, WarmupStableDecay, extend
 from megacpp.run_config import from_dict
-from megacpp.runtime.checkpoint import CheckpointError, read_meta
+from megacpp.runtime.checkpoint import (
+    CheckpointError,
+    checkpoint_root,
+    checkpoint_step,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    read_meta,
+    set_aside,
+)
 from megacpp.train.resume_rules import check_compatible, check_resume_settings, rows_per_step
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
@@ -126,9 +134,31 @@ class RunDirectory:
         rows, saved_rows = rows_per_step(meta, to_dict(self.cfg), self.ctx.world_size)
         return self.cfg.dist.allow_global_batch_change or rows == saved_rows
 
+    def set_aside_from(self, step: int) -> str:
+        """Rank 0 renames every checkpoint of `step` or later (weights a divergence or non-finite loss
+        implicates) out of the resume path (megacpp.runtime.checkpoint.set_aside); returns, on every rank,
+        a note saying what moved and which checkpoint a resume now starts from."""
+        note = None
+        if self.ctx.is_main:
+            moved = [set_aside(p, "diverged") for p in list_checkpoints(self.path) if checkpoint_step(p) >= step]
+            healthy = latest_valid_checkpoint(self.path, warn=self.log)
+            names = ", ".join(p.name for p in reversed(moved))
+            note = f"checkpoint(s) saved from those weights set aside as {names}; " if moved else ""
+            if healthy is not None:
+                note += f"--resume continues from {healthy}, the last healthy checkpoint"
+            else:
+                note += (f"no healthy checkpoint is left under {checkpoint_root(self.path)}: the same command "
+                         "without --resume starts over (keeping this run's files aside)")
+        return self.ctx.broadcast_object(note)
+
     def save(self, step: int, model: nn.Module, moments: dict[str, Tensor], state: dict[str, Any],
-             meta: dict[str, Any], tokenizer_json: Callable[[], bytes], experts: ExpertParallel | None = None) -> Path:
-        """Checkpoint ``step``, written by every rank together (megacpp.distributed.checkpoint.save)."""
+             meta: dict[str, Any], tokenizer_json: Callable[[], bytes], *, in_doubt_from: int,
+             experts: ExpertParallel | None = None) -> Path:
+        """Checkpoint ``step``, written by every rank together (megacpp.distributed.checkpoint.save).
+        Older checkpoints from step ``in_doubt_from`` on (saved from weights whose loss is already above the
+        divergence level: a divergence would set them aside) do not count toward train.keep_last: pruning
+        keeps that many besides them."""
         extra = {"tokenizer.json": tokenizer_json()} if self.ctx.is_main else None
+        in_doubt = sum(in_doubt_from <= checkpoint_step(p) < step for p in list_checkpoints(self.path))
         return dist_checkpoint.save(self.ctx, self.path, step, model, moments, state, meta,
-                                    self.cfg.train.keep_last, extra, experts)
+                                    self.cfg.train.keep_last + in_doubt, extra, experts)

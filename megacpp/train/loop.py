@@ -49,6 +49,7 @@ from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
 from megacpp.optim.groups import optimizer_state_bytes
 from megacpp.run_config import gate
+from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
@@ -58,7 +59,7 @@ from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode, rng_state, seed_everything, set_rng_state
 from megacpp.train.finetune import fine_tuning_config, load_initial_weights
 from megacpp.train.grad_norms import PartGradNorms, spike_summary
-from megacpp.train.guards import DivergenceGuard, check_finite_weights, stop_nonfinite_loss
+from megacpp.train.guards import DivergenceGuard, TrainingFault, check_finite_weights, stop_nonfinite_loss
 from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
@@ -68,6 +69,7 @@ from megacpp.train.readback import Readback
 from megacpp.train.recompute import apply_recompute
 from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
+from megacpp.train.rundir import start_over
 from megacpp.train.sample import end_of_run_sample
 from megacpp.train.votes import StopVotes
 from megacpp.versions import torch_version
@@ -147,6 +149,7 @@ class Trainer:
         self.votes = StopVotes(ctx, self.device, tc.time_budget_s)
         self.step = 0
         self.losses: list[float] = []
+        self.guard = DivergenceGuard(self.cfg.model)
         if ctx.distributed:  # one process has nobody to compare with: build nothing
             check_parity(ctx, {
                 "config": shared_config(to_dict(self.cfg)), "versions": library_versions(self.device),
@@ -187,15 +190,19 @@ class Trainer:
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
                  "elapsed_s": self.votes.elapsed()}
+        in_doubt_from = self.guard.implicated_from(self.losses, self.step)
         path = self.run_dir.save(self.step, self.model, self.stack.moments(), state, self.meta(),
-                                 self.data.tokenizer_json, self.parallel.experts)
+                                 self.data.tokenizer_json, in_doubt_from=in_doubt_from, experts=self.parallel.experts)
         self.attempt.checkpoint_published()
         return path
 
     def resume(self) -> Path | None:
         path = self.run_dir.resume_checkpoint()
         if path is None:
-            self.log(f"no checkpoint under {self.out_dir}; starting from step 0")
+            broken = len(list_checkpoints(self.out_dir))  # each was named as skipped while looking
+            found = f"none of the {broken} checkpoints verifies" if broken else "no checkpoint"
+            restart = start_over(self.out_dir) if self.ctx.is_main else "starting from step 0"
+            self.log(f"--resume: {found} under {checkpoint_root(self.out_dir)}; {restart}")
             return None
         state, meta = self.run_dir.restore(path, to_dict(self.cfg.model), self.data.tokenizer_hash, self.model,
                                            self.stack.moments(), self.parallel.experts)
@@ -240,7 +247,7 @@ class Trainer:
             metrics.log(self.step, "baselines", self.data.baselines.record())
         bar = tqdm(total=tc.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    desc="train", unit="step")
-        records = StepRecords(metrics, bar, self.part_grad_norms, DivergenceGuard(cfg.model, self.out_dir),
+        records = StepRecords(metrics, bar, self.part_grad_norms, self.guard,
                               tc.log_every, self.flops_per_token, peak_flops(self.device))
         watchdog = StepWatchdog(self.out_dir / "logs", ctx.rank) if ctx.distributed else None
         after_warmup = contextlib.ExitStack()
@@ -296,6 +303,9 @@ class Trainer:
         except BaseException as exc:
             # a warmup out-of-memory error of a supervised attempt leaves here, for a retry
             self.attempt.on_failure(exc, ctx.rank, self.batch.micro_batch, self.step + 1, self.device)
+            if isinstance(exc, TrainingFault):  # its weights must not be what --resume continues from
+                implicated = self.guard.implicated_from(self.losses, exc.suspect_step)
+                raise exc.with_note(self.run_dir.set_aside_from(implicated)) from None
             raise
         finally:
             if watchdog is not None:
@@ -429,7 +439,7 @@ class Trainer:
         self.votes.record(read)
         value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
-            stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch, self.out_dir)
+            stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         self.stack.step()
         run_after_optimizer_step(self.model)

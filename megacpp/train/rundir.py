@@ -5,7 +5,9 @@
   so a second run on the same directory refuses at once instead of interleaving checkpoints;
 - a directory that already holds a run's checkpoints or metrics is refused unless the run continues it
   (``--resume``) or replaces it (``train.overwrite``), in which case the old files are moved into
-  ``<out_dir>/previous-<timestamp>/``, never deleted.
+  ``<out_dir>/previous-<timestamp>/``, never deleted. A run that left no checkpoint to resume from (it
+  failed before its first, or its only ones were set aside as diverged) is moved there too, unasked:
+  refusing would leave the user no command that continues it.
 """
 from __future__ import annotations
 
@@ -17,15 +19,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from megacpp.errors import MegacppError
-from megacpp.runtime.checkpoint import checkpoint_root
-
-LOCK_NAME = ".megacpp.lock"
-PREVIOUS_PREFIX = "previous-"
-# What megacpp writes in a run directory; only these move aside on train.overwrite. The directory may
-# hold the user's own files too (`--train.out_dir .` beside a corpus): those stay where they are.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.toml", "loss.png", "sample.txt", "logs", "tensorboard",
-               "profile")
-RUN_PATTERNS = ("position_curve-*.json",)
+from megacpp.run_files import LOCK_NAME, PREVIOUS_PREFIX, RUN_ENTRIES, RUN_PATTERNS
+from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
 
 
 class RunDirError(MegacppError):
@@ -44,9 +39,9 @@ def previous_run_files(out_dir: Path) -> list[str]:
     return found
 
 
-def move_aside(out_dir: Path) -> Path:
-    """Move what megacpp wrote in `out_dir` (`RUN_ENTRIES`, `RUN_PATTERNS`) into a new
-    ``previous-<timestamp>/`` folder of it; return that folder. Nothing else in `out_dir` moves."""
+def move_aside(out_dir: Path, entries: tuple[str, ...] = RUN_ENTRIES, patterns: tuple[str, ...] = RUN_PATTERNS) -> Path:
+    """Move what megacpp wrote in `out_dir` (`entries` and names matching `patterns`; by default all of it)
+    into a new ``previous-<timestamp>/`` folder of it; return that folder. Nothing else in `out_dir` moves."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = out_dir / f"{PREVIOUS_PREFIX}{stamp}"
     n = 1
@@ -54,7 +49,7 @@ def move_aside(out_dir: Path) -> Path:
         target, n = out_dir / f"{PREVIOUS_PREFIX}{stamp}-{n}", n + 1
     target.mkdir()
     for entry in sorted(out_dir.iterdir()):
-        if entry.name in RUN_ENTRIES or any(entry.match(pattern) for pattern in RUN_PATTERNS):
+        if entry.name in entries or any(entry.match(pattern) for pattern in patterns):
             os.replace(entry, target / entry.name)
     return target
 
@@ -99,14 +94,28 @@ def claim_run_dir(out_dir: Path, resume: bool, overwrite: bool, log) -> RunLock:
     lock.acquire()
     try:
         found = [] if resume else previous_run_files(out_dir)
-        if found and not overwrite:
+        if found and overwrite:
+            log(f"train.overwrite: moved the previous run's files to {move_aside(out_dir)}")
+        elif found and not list_checkpoints(out_dir):
+            log(f"train.out_dir {out_dir} holds a run with no checkpoint to resume from ({', '.join(found)}): "
+                f"starting over; its files moved to {move_aside(out_dir)}")
+        elif found:
             raise RunDirError(
                 f"train.out_dir {out_dir} already holds a run ({', '.join(found)}): continue it with --resume, "
                 f"or start over with --train.overwrite true (moves its files into {out_dir}/{PREVIOUS_PREFIX}"
                 "<time>/), or choose another --train.out_dir")
-        if found:
-            log(f"train.overwrite: moved the previous run's files to {move_aside(out_dir)}")
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def start_over(out_dir: Path) -> str:
+    """A `--resume` that found no usable checkpoint starts from step 0: the old metrics.jsonl (steps this
+    run logs again) and checkpoints/ (broken ones, which this run's would replace) move into
+    ``previous-<timestamp>/``, so nothing of the old run is overwritten or appended to. Returns what moved."""
+    entries = ("metrics.jsonl", checkpoint_root(out_dir).name)
+    present = [name for name in entries if (out_dir / name).exists()]
+    if not present:
+        return "starting from step 0"
+    return f"starting from step 0; the old {' and '.join(present)} moved to {move_aside(out_dir, entries, ())}"

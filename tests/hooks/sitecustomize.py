@@ -1,4 +1,5 @@
-"""Test-only fault injection for the auto-fit supervisor's tests (tests/test_oom_autofit.py).
+"""Test-only fault injection for the auto-fit supervisor's tests (tests/test_oom_autofit.py) and the
+run's edges (tests/test_run_edges.py).
 
 Python imports ``sitecustomize`` at startup, so with this directory first on PYTHONPATH the hooks reach
 the supervisor's child processes and torchrun's workers, which a monkeypatch in the test process could
@@ -9,6 +10,8 @@ not. Nothing in megacpp knows of them.
   under the supervisor on CPU too, where auto-fit is otherwise off.
 - ``MEGACPP_TEST_CRASH_AT_STEP=S``: a training process started by the supervisor raises an ordinary
   RuntimeError (a stand-in for a bug in megacpp, which prints a traceback) at the start of step S.
+- ``MEGACPP_TEST_HOST_OOM_AT_STEP=S``: any training process asks the host allocator for 1 PiB at the
+  start of step S, which fails with torch's own out-of-memory RuntimeError.
 """
 import os
 
@@ -38,3 +41,19 @@ if _CHILD and (_OOM is not None or "MEGACPP_TEST_CRASH_AT_STEP" in os.environ):
         return _train_step(self)
 
     Trainer.train_step = _faulty_train_step
+
+_HOST_OOM_STEP = os.environ.get("MEGACPP_TEST_HOST_OOM_AT_STEP")
+
+if _HOST_OOM_STEP is not None:
+    import torch
+
+    from megacpp.train.loop import Trainer
+
+    _step_before_host_oom = Trainer.train_step
+
+    def _host_oom_train_step(self):
+        if self.step + 1 == int(_HOST_OOM_STEP):
+            torch.empty(2**50, dtype=torch.uint8)  # beyond any host's address space: the allocator refuses
+        return _step_before_host_oom(self)
+
+    Trainer.train_step = _host_oom_train_step

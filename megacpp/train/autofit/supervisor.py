@@ -326,12 +326,22 @@ def _report_failure(job: Job, attempt: int, outcome: Outcome) -> None:
     if outcome.status in (130, 143) or (outcome.interrupted and outcome.status > 128):
         return  # Ctrl-C or SIGTERM (the child said what it saved), or a job being stopped: not a crash
     lines = outcome.output.tail()
+    if explained_error(outcome.status, lines):
+        return  # its one line is the last thing printed: once is enough
     _say(f"error: the training process (attempt {attempt}) failed ({_describe_status(outcome.status)}); the last "
          f"{len(lines)} lines of its "
          f"output follow (all of it: {outcome.output.log_path})")
     for line in lines:
         print(f"  | {line}", file=sys.stderr)
     sys.stderr.flush()
+
+
+def explained_error(status: int, lines: list[str]) -> bool:
+    """Whether a child's output ends with the one line of an error megacpp explains (megacpp.cli exits 1 or
+    2 after it), with no traceback before it: not a crash, so nothing to show again."""
+    printed = [line for line in lines if line.strip()]
+    return (status in (1, 2) and bool(printed) and printed[-1].startswith("megacpp: ")
+            and "error: " in printed[-1] and not any(line.startswith("Traceback") for line in printed))
 
 
 def _describe_status(status: int) -> str:
