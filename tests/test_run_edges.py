@@ -158,6 +158,26 @@ def test_a_host_out_of_memory_error_is_one_line_and_keeps_the_checkpoints(tmp_pa
     verify_checkpoint(kept)
 
 
+def test_a_full_disk_while_writing_optimizer_state_is_one_line_and_keeps_the_checkpoints(tmp_path, small_corpus):
+    """DCP reports each rank's failure with its frame summaries: the error was a 4 KB line."""
+    first = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2"})
+    python(["-m", "megacpp.cli", *first], timeout=120).check()
+    hooks = Path(__file__).resolve().parent / "hooks"
+    env = worker_env({"MEGACPP_TEST_DISK_FULL_IN_MOMENTS": "1"})
+    env["PYTHONPATH"] = f"{hooks}{os.pathsep}{env['PYTHONPATH']}"
+    more = tiny_train_args(tmp_path, small_corpus, **{"train.steps": "4", "train.ckpt_every": "2"})
+    launch = python(["-m", "megacpp.cli", *more, "--resume"], timeout=120, env=env)
+    assert launch.returncode != 0
+    assert "Traceback" not in launch.output
+    errors = [line for line in launch.output.splitlines() if line.startswith("megacpp: ")]
+    assert len(errors) == 1 and len(errors[0]) < 400, launch.output[-3000:]
+    assert ("checkpoint at step 4 was not saved (writing optimizer moments: No space left on device: "
+            "optim/__0_0.distcp)") in errors[0]
+    (kept,) = list_checkpoints(tmp_path / "run")
+    assert kept.name == "step_00000002"
+    verify_checkpoint(kept)
+
+
 def test_a_device_out_of_memory_error_after_warmup_is_one_line(tmp_path, small_corpus, monkeypatch, capsys):
     """Outside auto-fit's warmup window nothing retries it; before, it printed a traceback."""
     original = Trainer.train_step

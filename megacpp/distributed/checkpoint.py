@@ -101,9 +101,14 @@ def _dcp_quiet() -> Iterator[None]:
 
 
 def _describe(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> exception
+    """One line for a failure: the OS's words for an OSError (a full disk: "No space left on device"),
+    each rank's failure of a DCP CheckpointException (rank -> exception, or on torch 2.13 (exception,
+    frame summaries): the frames made a 4 KB line)."""
+    failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        return "; ".join(f"{type(e).__name__}: {e}" for e in failures.values())
+        return "; ".join(_describe(f[0] if isinstance(f, tuple) else f) for f in failures.values())
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -12,6 +12,8 @@ not. Nothing in megacpp knows of them.
   RuntimeError (a stand-in for a bug in megacpp, which prints a traceback) at the start of step S.
 - ``MEGACPP_TEST_HOST_OOM_AT_STEP=S``: any training process asks the host allocator for 1 PiB at the
   start of step S, which fails with torch's own out-of-memory RuntimeError.
+- ``MEGACPP_TEST_DISK_FULL_IN_MOMENTS=1``: writing the optimizer moments of a checkpoint fails as a full
+  disk does (OSError ENOSPC from the distributed checkpoint's file writer).
 """
 import os
 
@@ -57,3 +59,14 @@ if _HOST_OOM_STEP is not None:
         return _step_before_host_oom(self)
 
     Trainer.train_step = _host_oom_train_step
+
+if os.environ.get("MEGACPP_TEST_DISK_FULL_IN_MOMENTS"):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as _dcp_files
+
+    def _disk_full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "optim/__0_0.distcp")
+
+    _dcp_files._write_item = _disk_full
+
