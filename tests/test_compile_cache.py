@@ -56,6 +56,8 @@ def test_unwritable_root_falls_back_to_a_private_temp_dir_and_says_so(tmp_path):
     assert (status.path.stat().st_mode & 0o777) == 0o700  # process-private
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(status.path)
     assert "WARNING" in status.format() and "private temp dir" in status.format()
+    # The next run with the same unusable root compiles into the same directory: none left behind per run.
+    assert setup_inductor_cache(blocker / "cache").path == status.path
 
 
 def test_writable_root_is_used_and_caches_switched_on(tmp_path, monkeypatch):
@@ -182,3 +184,61 @@ def test_doctor_lines_and_cli_round_trip(monkeypatch, tmp_path):
     monkeypatch.setenv("MEGACPP_CACHE_DIR", str(tmp_path / "root2"))
     out = cache_cli("import", tmp_path / "shared")
     assert "cache imported: 4 files" in out and str(tmp_path / "root2") in out
+
+
+def test_an_export_never_replaces_an_inductor_folder_it_did_not_write(tmp_path):
+    src = _fake_cache(tmp_path / "local")
+    dest = tmp_path / "mine"
+    (dest / "inductor").mkdir(parents=True)
+    (dest / "inductor" / "notes.txt").write_text("the user's")
+    with pytest.raises(CacheError, match="has an inductor/ folder that no megacpp export wrote"):
+        export_cache(dest, src)
+    assert (dest / "inductor" / "notes.txt").read_text() == "the user's"
+    export_cache(tmp_path / "shared", src)
+    (src / "fxgraph/ab/entry").write_text("recompiled")
+    assert export_cache(tmp_path / "shared", src).action == "exported", "its own earlier export is replaced"
+
+
+def test_an_export_into_the_live_cache_is_refused_at_once(tmp_path):
+    src = _fake_cache(tmp_path / "root" / "inductor")
+    for dest in (src, tmp_path / "root", src / "sub"):
+        with pytest.raises(CacheError, match="the live cache directory .* is there"):
+            export_cache(dest, src, lock_timeout=0.5)
+    assert file_hashes(src) == file_hashes(_fake_cache(tmp_path / "fresh"))
+
+
+def test_an_export_of_another_torch_is_not_imported(tmp_path):
+    src = _fake_cache(tmp_path / "local")
+    export_cache(tmp_path / "shared", src)
+    manifest = tmp_path / "shared" / MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "torch": "2.0.0"}))
+    with pytest.raises(CacheError, match="exported by torch 2.0.0; this is torch .* nothing imported"):
+        import_cache(tmp_path / "shared", tmp_path / "other-host")
+    assert not (tmp_path / "other-host").exists()
+
+
+def test_the_cache_commands_refuse_an_unusable_root_instead_of_a_temp_dir(monkeypatch, tmp_path):
+    from megacpp.compile.cli import cache_cli
+
+    _fake_cache(tmp_path / "good" / "inductor")
+    monkeypatch.setenv("MEGACPP_CACHE_DIR", str(tmp_path / "good"))
+    cache_cli("export", tmp_path / "shared")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("MEGACPP_CACHE_DIR", str(blocker / "cache"))
+    for action, path in (("import", tmp_path / "shared"), ("export", tmp_path / "elsewhere")):
+        with pytest.raises(CacheError, match=f"cannot {action} the compile cache: its root is unusable"):
+            cache_cli(action, path)
+
+
+def test_a_run_starts_from_compile_import_cache_once_per_cache(monkeypatch, tmp_path):
+    from megacpp.compile.config import CompileConfig
+    from megacpp.compile.entry import prepare_compile
+
+    export_cache(tmp_path / "shared", _fake_cache(tmp_path / "built-elsewhere"))
+    cfg = CompileConfig(cache_dir=str(tmp_path / "here"), import_cache=str(tmp_path / "shared"))
+    first = prepare_compile(cfg)
+    assert "cache imported: 4 files" in first.format()
+    assert (tmp_path / "here" / "inductor" / "fxgraph/ab/entry").read_text() == "graph"
+    assert "cache skipped: 4 files" in prepare_compile(cfg).format(), "the next rank or run finds it current"
+

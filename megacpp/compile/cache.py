@@ -3,9 +3,9 @@
 The cache directory is set explicitly at entry: an explicit root, else $MEGACPP_CACHE_DIR, else a
 user-set $TORCHINDUCTOR_CACHE_DIR (not torch's /tmp default, which importing torch._dynamo writes into
 that variable), else ~/.cache/megacpp; ``<root>/inductor`` must be writable (checked
-by writing a probe file, not by permission bits: root ignores them), otherwise a process-private
-temporary directory is used and the status says why. FX graph and AOTAutograd caches are switched on,
-with their keys tied to the source of megacpp's custom ops (`ops_source_digest`).
+by writing a probe file, not by permission bits: root ignores them), otherwise a private per-user
+temporary directory (`fallback_cache_dir`) is used and the status says why. FX graph and AOTAutograd
+caches are switched on, with their keys tied to the source of megacpp's custom ops (`ops_source_digest`).
 Triton kernels land under the same directory (Inductor's default ``<cache>/triton``).
 
 Export copies the cache directory (plus PyTorch's Mega-Cache artifact bytes where the version gate
@@ -40,6 +40,7 @@ FILES_DIR = "inductor"
 ARTIFACTS = "mega_cache.bin"
 LOCK = ".megacpp-cache.lock"
 IMPORTED = ".megacpp-imported"  # digest of the last import, inside the local cache dir
+EXPORT_MARK = ".megacpp-export"  # beside FILES_DIR in an export: megacpp wrote that folder
 _SKIP_NAMES = {LOCK, IMPORTED}
 _SKIP_DIRS = {"locks"}  # Inductor's own lock files
 
@@ -136,7 +137,7 @@ def setup_inductor_cache(root: str | Path | None = None) -> CacheStatus:
     """
     path, source, reason = _choose(root)
     if reason is not None:
-        path, source = Path(tempfile.mkdtemp(prefix=f"megacpp-inductor-{os.getpid()}-")), "fallback"
+        path, source = fallback_cache_dir(), "fallback"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
     # env for subprocesses (compile workers, autotune); config for this process, whose config
     # modules may already have read the environment at import.
@@ -157,12 +158,27 @@ def setup_inductor_cache(root: str | Path | None = None) -> CacheStatus:
     return CacheStatus(path.resolve(), source, reason)
 
 
+def fallback_cache_dir() -> Path:
+    """Where a run compiles when its cache root is unusable: one directory per user under the system's
+    temporary directory, private to the user (0700) and reused by the next run (a directory per process
+    left one more behind every run), or a fresh private one when that cannot be had."""
+    shared = Path(tempfile.gettempdir()) / f"megacpp-inductor-{os.getuid()}"
+    try:
+        shared.mkdir(mode=0o700, exist_ok=True)
+        info = shared.stat()
+        if info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700 and writable_reason(shared) is None:
+            return shared
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix=f"megacpp-inductor-{os.getpid()}-"))
+
+
 def describe_cache_dirs(cfg: CompileConfig) -> list[str]:
     """Lines for `doctor`: where the compile caches of a run with `cfg` would live (sets nothing)."""
     path, source, reason = _choose(cfg.cache_dir or None)
     lines = [f"inductor: {path.resolve()} ({source})"]
     if reason is not None:
-        lines[0] += f" -- not writable ({reason}): a run would use a process-private temp dir"
+        lines[0] += f" -- not writable ({reason}): a run would use a private temp dir"
     triton = os.environ.get("TRITON_CACHE_DIR")
     lines.append(f"triton: {triton} (TRITON_CACHE_DIR)" if triton else f"triton: {path.resolve() / 'triton'}")
     return lines
@@ -244,7 +260,11 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
     Raises `CacheError` if `dest` is not writable, `CacheBusy` if its lock is held past `lock_timeout`.
     """
     dest, src = Path(dest), Path(cache_dir) if cache_dir else current_cache_dir()
+    _refuse_overlap(dest, src)
     _require_writable(dest, f"export the compile cache into {dest}")
+    if (dest / FILES_DIR).exists() and not (dest / EXPORT_MARK).is_file():
+        raise CacheError(f"refusing to export the compile cache into {dest}: it has an {FILES_DIR}/ folder that no "
+                         f"megacpp export wrote, which an export would replace; choose a new or empty directory")
     with _locks([dest, src], lock_timeout):
         hashes = file_hashes(src)
         digest, count = _digest(hashes), len(hashes)
@@ -252,6 +272,8 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
         if manifest.is_file() and json.loads(manifest.read_text()).get("digest") == digest:
             return SyncResult("skipped", dest, digest, count, (dest / ARTIFACTS).is_file())
         manifest.unlink(missing_ok=True)  # an interrupted export leaves no manifest: never a skip
+        (dest / EXPORT_MARK).write_text("an export of megacpp's compile cache: `megacpp cache export` replaces "
+                                        f"{FILES_DIR}/ here\n")
         with atomic_dir(dest / FILES_DIR) as staging:
             _copy_tree(src, staging, _files(src))
         artifacts = torch.compiler.save_cache_artifacts() if supports("cache_artifacts") else None
@@ -265,6 +287,15 @@ def export_cache(dest: str | Path, cache_dir: str | Path | None = None, *, lock_
             info["artifacts_sha256"] = hashlib.sha256(artifacts[0]).hexdigest()
         atomic_write_bytes(manifest, json.dumps(info, indent=1).encode())
     return SyncResult("exported", dest, digest, count, bool(artifacts))
+
+
+def _refuse_overlap(dest: Path, cache: Path) -> None:
+    """An export written into the live cache (or the cache inside the export) would copy the cache onto
+    itself while holding its lock: it waited on that lock for the whole timeout."""
+    dest, cache = dest.resolve(), cache.resolve()
+    if dest == cache or cache in dest.parents or dest in cache.parents:
+        raise CacheError(f"refusing to export the compile cache into {dest}: the live cache directory {cache} is "
+                         "there; export into a directory outside it")
 
 
 def _read_export_manifest(src: Path) -> dict:
@@ -308,6 +339,14 @@ def _verify_export(src: Path, info: dict) -> list[Path]:
     return [Path(rel) for rel in hashes]
 
 
+def _same_torch(src: Path, info: dict) -> None:
+    """Inductor's cache keys hold torch's version: another version's entries would never be used."""
+    made_by, here = info.get("torch"), str(torch_version())
+    if made_by is not None and made_by != here:
+        raise CacheError(f"{src} was exported by torch {made_by}; this is torch {here}, whose compiles would never "
+                         "use its entries: nothing imported")
+
+
 def import_cache(src: str | Path, cache_dir: str | Path | None = None, *, lock_timeout: float = 600.0) -> SyncResult:
     """Copy an export made by `export_cache` into the local Inductor cache; skip if already imported.
 
@@ -318,7 +357,7 @@ def import_cache(src: str | Path, cache_dir: str | Path | None = None, *, lock_t
     writable, `CacheBusy` on a held lock.
     """
     src, dest = Path(src), Path(cache_dir) if cache_dir else current_cache_dir()
-    _read_export_manifest(src)
+    _same_torch(src, _read_export_manifest(src))
     _require_writable(dest, f"import the compile cache into {dest}")
     with _locks([src, dest], lock_timeout):
         info = _read_export_manifest(src)  # again under the lock: an export may have finished since

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from megacpp.compile.cache import export_cache, import_cache, setup_inductor_cache
+from megacpp.compile.cache import CacheError, export_cache, import_cache, setup_inductor_cache
 from megacpp.compile.report import compile_report, token_inputs
 from megacpp.data.config import DataConfig
 from megacpp.model.config import ModelConfig
@@ -34,6 +34,9 @@ def compile_report_cli(cfg: RunConfig, backend: str = "eager", mode: str = "bloc
 def cache_cli(action: str, path: Path | str) -> str:
     """``export``: copy the local warm cache into `path`; ``import``: the reverse. Returns what happened."""
     status = setup_inductor_cache()
+    if status.source == "fallback":  # the warm cache the user means is not this temporary one
+        raise CacheError(f"cannot {action} the compile cache: its root is unusable ({status.fallback_reason}); "
+                         "set MEGACPP_CACHE_DIR to a writable directory")
     if action == "export":
         result = export_cache(path)
     elif action == "import":

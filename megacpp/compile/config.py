@@ -27,6 +27,10 @@ class CompileConfig(ConfigSection):
     # matters once autotuning is on).
     autotune_subprocess: bool = True
     cache_dir: str = ""  # Inductor cache root; "" = $MEGACPP_CACHE_DIR or ~/.cache/megacpp
+    # A `megacpp cache export` directory to start from (a shared warm cache): imported into the cache
+    # before the first compile, file by file verified, under the cache's lock (once per host: the other
+    # ranks find it current and skip); "" = none.
+    import_cache: str = ""
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
