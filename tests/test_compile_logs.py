@@ -18,6 +18,12 @@ W = "W1121 21:05:52.150000 6145 torch/_dynamo/convert_frame.py:1994] [3/3] "
         ("torch._dynamo.exc.FailOnRecompileLimitHit: recompile_limit reached", LogKind.ALERT,
          "recompile_limit_failure"),
         ("I1121 step 100 loss 3.21", LogKind.OTHER, ""),
+        # Inductor's select_algorithm, when a candidate's benchmark fails (seed 000's autotune OOM):
+        ("Runtime error during autotuning: \nCUDA out of memory. Tried to allocate 2.00 GiB. \nIgnoring this "
+         "choice.", LogKind.ALERT, "autotune_choice_failed"),
+        ("triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 262144, Hardware "
+         "limit: 232448", LogKind.ALERT, "triton_out_of_resources"),
+        ("W1121 autotune: picked triton_mm_7 (0.012 ms)", LogKind.OTHER, ""),
     ],
 )
 def test_classification(line, kind, rule):

@@ -98,6 +98,27 @@ def test_planted_float_attribute_is_caught_by_forbid_recompiles(mode):
             health.check_bounds(strict=True)
 
 
+def test_a_recompile_after_warmup_and_an_inductor_alert_are_reported_when_they_happen():
+    """Told to the run's log at once, not only in the summary at the end of the run."""
+    import logging
+
+    model = build_standin("AF")
+    model.blocks[1].mixer = FloatScaledFFN(32)
+    told: list[str] = []
+    with CompileHealth(report=told.append) as health:
+        health.attach(compile_model(model, CompileConfig(mode="blocks", backend="eager")))
+        model(**random_token_batch(64, 4, 8)).backward()
+        health.end_warmup()
+        assert told == []
+        model.blocks[1].mixer.temperature = 0.5
+        model(**random_token_batch(64, 4, 8)).backward()
+        health.refresh()
+        assert len(told) == 1 and told[0].startswith("recompile after warmup: Block.forward (0/")
+        logging.getLogger("torch._inductor.select_algorithm").warning(
+            "Runtime error during autotuning: \n%s. \nIgnoring this choice.", "CUDA out of memory")
+        assert told[1].startswith("compile alert (autotune_choice_failed): Runtime error during autotuning")
+
+
 def test_planted_int_counter_fails_the_guard_with_its_name():
     model = build_standin("F")
     model.blocks[0].mixer = CountingFFN(32)

@@ -20,7 +20,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,9 @@ from megacpp.errors import MegacppError
 log = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# Loggers whose warnings the classifier reads: Dynamo's (breaks, recompile caps) and Inductor's (autotune,
+# Triton compile failures surface there).
+TAPPED_LOGGERS = ("torch._dynamo", "torch._inductor")
 _RESUME_PREFIX = "torch_dynamo_resume_in_"
 _COMPILE_ID = re.compile(r"(\d+)/(\d+)")
 _LIMIT_FUNCTION = re.compile(r"function: '(?P<name>[^']+)' \((?P<file>.+):(?P<line>\d+)\)")
@@ -131,9 +134,12 @@ class _DynamoLogTap(logging.Handler):
 class CompileHealth:
     """Counts compile events from creation on (earlier compiles are ignored) until `close`."""
 
-    def __init__(self, bounds: HealthBounds | None = None) -> None:
+    def __init__(self, bounds: HealthBounds | None = None, report: Callable[[str], None] | None = None) -> None:
         self.bounds = bounds or HealthBounds()
         self.alerts: list[str] = []
+        # Told at once of each alert and of each recompile after warmup (the run's log), not only in the
+        # summary at the end of the run.
+        self.report = report
         self.classifier = LogClassifier(self.bounds.graph_breaks)
         self._stats: dict[str, CallsiteStats] = {}
         self._labels: dict[tuple[str, int], str] = {}
@@ -155,9 +161,9 @@ class CompileHealth:
             callback_handler.register_start_callback(self._on_start)
         if self._on_end not in callback_handler.end_callbacks:
             callback_handler.register_end_callback(self._on_end)
-        dynamo_log = logging.getLogger("torch._dynamo")
-        if self._tap not in dynamo_log.handlers:
-            dynamo_log.addHandler(self._tap)
+        for name in TAPPED_LOGGERS:
+            if self._tap not in logging.getLogger(name).handlers:
+                logging.getLogger(name).addHandler(self._tap)
 
     def after_reset(self) -> None:
         """Re-arm after `torch._dynamo.reset()` (call `refresh` before it): ids restart, hooks were cleared."""
@@ -172,7 +178,8 @@ class CompileHealth:
             callback_handler.remove_start_callback(self._on_start)
         if self._on_end in callback_handler.end_callbacks:
             callback_handler.remove_end_callback(self._on_end)
-        logging.getLogger("torch._dynamo").removeHandler(self._tap)
+        for name in TAPPED_LOGGERS:
+            logging.getLogger(name).removeHandler(self._tap)
 
     def __enter__(self) -> CompileHealth:
         return self
@@ -223,6 +230,8 @@ class CompileHealth:
         if verdict.kind is not LogKind.ALERT:
             return
         self.alerts.append(_first_line(message))
+        if self.report is not None:
+            self.report(f"compile alert ({verdict.rule}): {_first_line(message)[:300]} -- {verdict.why}")
         match = _LIMIT_FUNCTION.search(message)
         if verdict.rule == ALERT_RULES[0].name and match:
             label = self._label(match["file"], int(match["line"]), match["name"])
@@ -302,6 +311,8 @@ class CompileHealth:
                 stats.recompile_guards.append(guard)
             if self._warm and guard not in stats.late_recompile_guards:
                 stats.late_recompile_guards.append(guard)
+            if self._warm and self.report is not None:
+                self.report(f"recompile after warmup: {label} ({guard})")
 
     # -- results ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, CallsiteStats]:

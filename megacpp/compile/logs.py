@@ -1,8 +1,11 @@
-"""Compile log classifier: the lines of Dynamo's log that always alert, and graph breaks counted
-against their bound.
+"""Compile log classifier: the lines of Dynamo's and Inductor's logs that always alert, and graph breaks
+counted against their bound.
 
-Dynamo prints a lot; `CompileHealth` feeds it every line and acts on alerts only: recompile cap hits
-(that frame runs eagerly from then on, or the run stops) and graph breaks above the bound.
+Dynamo and Inductor print a lot; `CompileHealth` feeds the classifier every warning of both loggers
+and acts on alerts only: recompile cap hits (that frame runs eagerly from then on, or the run stops),
+graph breaks above the bound, an autotune candidate that failed (Inductor drops it with "Ignoring this
+choice": in seed 000 that was a benchmark subprocess running out of GPU memory, which left the slower
+choices and later took the run down) and Triton running out of shared memory or registers.
 """
 from __future__ import annotations
 
@@ -38,6 +41,16 @@ ALERT_RULES: tuple[Rule, ...] = (
         "recompile_limit_failure",
         r"FailOnRecompileLimitHit",
         "hard failure at the recompile cap",
+    ),
+    _rule(
+        "autotune_choice_failed",
+        r"Ignoring this choice",
+        "an autotune candidate failed to benchmark (often out of GPU memory) and was dropped",
+    ),
+    _rule(
+        "triton_out_of_resources",
+        r"OutOfResources|out of resource: (?:shared memory|registers)",
+        "a Triton kernel asked for more shared memory or registers than the GPU has",
     ),
 )
 BREAK_RULE = _rule(

@@ -129,7 +129,7 @@ class Trainer:
         # Fingerprinted before sharding (the whole weights); only a job of several ranks compares it.
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
-        self.health = CompileHealth(bounds_for(self.cfg.compile))
+        self.health = CompileHealth(bounds_for(self.cfg.compile), report=self.log)
         apply_recompute(self.model, recompute_kinds(tc.recompute))  # before compile: the regions trace it
         self.parallel = apply_data_parallel(
             self.model, self.cfg.compile, self.cfg.dist, ctx,
