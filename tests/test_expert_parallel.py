@@ -72,6 +72,10 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
     # The header counts the whole model, not this rank's half of the experts: 4 x (32 x 32) x 2 + router
     # 128 + shared expert 2 x 1024 + norm 32.
     assert "E mixture-of-experts FFN         1        10,400" in result.output
+    # and so does the optimizers' group table (its total line as 2 ranks without EP print it)
+    rep_output = (tmp_path / "rep" / "run" / "logs" / "rank0.log").read_text()
+    total = next(line for line in rep_output.splitlines() if line.startswith("total "))
+    assert total in result.output
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
-from megacpp.optim.groups import optimizer_state_bytes
+from megacpp.optim.groups import format_routing_table, optimizer_state_bytes, route_parameters
 from megacpp.run_config import gate
 from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
 from megacpp.runtime.data import build_data
@@ -129,6 +129,8 @@ class Trainer:
         # Fingerprinted before sharding (the whole weights); only a job of several ranks compares it.
         initial_weights = weight_fingerprint(self.model) if ctx.distributed else None
         hints = collect_param_hints(self.model)  # by name, before FSDP2 replaces the parameters
+        # The optimizers' groups over the whole model (expert parallelism leaves each rank its own rows).
+        self.routing_table = format_routing_table(route_parameters(self.model, self.cfg.optim, hints), self.cfg.optim)
         self.health = CompileHealth(bounds_for(self.cfg.compile), report=self.log)
         apply_recompute(self.model, recompute_kinds(tc.recompute))  # before compile: the regions trace it
         self.parallel = apply_data_parallel(
@@ -398,7 +400,7 @@ class Trainer:
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             self.parameter_table,
-            self.stack.routing_table,
+            self.routing_table,
             f"{self.batch.describe()}, {tc.steps} steps"
             + (f" or {tc.time_budget_s:g} s, whichever comes first" if tc.time_budget_s else ""),
             self.data.baselines.summary(),
