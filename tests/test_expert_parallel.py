@@ -207,9 +207,16 @@ def test_a_router_gone_nonfinite_on_one_rank_stops_every_rank_with_one_line(tmp_
     assert result.seconds < 90
 
 
+def test_expert_parallelism_on_one_process_is_refused_in_one_line(tmp_path, corpus):
+    result = python(["-m", "megacpp.cli", *args(tmp_path, corpus, **EP, **{"train.steps": "2"})], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    assert ("megacpp: config error: dist.expert_parallel = 2 does not divide the 1 rank(s) of this job (launch "
+            "torchrun with a multiple of 2 processes)") in result.output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "named"), [
-    ({"dist.expert_parallel": "3"}, "does not divide the 2 ranks"),
+    ({"dist.expert_parallel": "3"}, "does not divide the 2 rank(s) of this job"),
     ({"model.moe.n_experts": "3"}, "does not divide blocks.1.mixer's 3 experts"),
 ])
 def test_an_expert_parallel_setting_that_cannot_work_is_one_line_on_both_ranks(tmp_path, corpus, overrides, named):

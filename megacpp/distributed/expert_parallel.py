@@ -150,7 +150,7 @@ class ExpertParallel:
         return self.ctx.world_size // self.degree
 
     def holds(self, p: Tensor) -> bool:
-        return any(p is q for q in self.params.values())
+        return any(p is q for q in self.params.values())  # identity: a tensor's == is elementwise
 
     def describe(self) -> str:
         return (f"expert parallelism {self.degree} x {self.replicas} replica(s): this rank holds experts "
@@ -216,15 +216,7 @@ class ExpertParallel:
 
         shape = torch.Size((local.shape[0] * self.degree, *local.shape[1:]))
         return DTensor.from_local(local, self.mesh, (Replicate(), Shard(0)), run_check=False, shape=shape,
-                                  stride=_contiguous_strides(shape))
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+                                  stride=torch.empty(shape, device="meta").stride())
 
 
 def expert_blocks(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -237,7 +229,8 @@ def check_expert_parallel(model: nn.Module, cfg: DistConfig, ctx: DistContext) -
     token-choice routing."""
     degree = cfg.expert_parallel
     if ctx.world_size % degree:
-        raise DistError(f"dist.expert_parallel = {degree} does not divide the {ctx.world_size} ranks of this job")
+        raise DistError(f"dist.expert_parallel = {degree} does not divide the {ctx.world_size} rank(s) of this job "
+                        f"(launch torchrun with a multiple of {degree} processes)")
     blocks = expert_blocks(model)
     if not blocks:
         raise DistError(f"dist.expert_parallel = {degree}, but the model has no E block to split")
@@ -253,9 +246,9 @@ def shard_experts(model: nn.Module, cfg: DistConfig, ctx: DistContext) -> Expert
     """Keep this rank's experts of every E block and install the exchange; None when
     ``dist.expert_parallel`` is 1. Call on the whole model (identical on every rank), before compile."""
     degree = cfg.expert_parallel
-    if degree == 1 or not ctx.distributed:
+    if degree == 1:
         return None
-    check_expert_parallel(model, cfg, ctx)
+    check_expert_parallel(model, cfg, ctx)  # one process: P does not divide its 1 rank
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size // degree, degree), mesh_dim_names=("replicas", "experts"))

@@ -145,6 +145,7 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
     """Compile ``model`` per ``compile_cfg`` (as on one device), then apply the strategy over ``ctx``.
     ``state_bytes`` gives the whole optimizer state's size (asked only when ``auto`` must decide)."""
     if not ctx.distributed:
+        shard_experts(model, dist_cfg, ctx)  # refuses dist.expert_parallel > 1 on one process
         return DataParallel(compile_model(model, compile_cfg))
     # The layout's settings agree before any rank builds a group from them: a rank that disagreed would
     # wait in the mesh's setup for the whole init timeout.
