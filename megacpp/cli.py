@@ -433,6 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"error: {exc}", 1)
     except OSError as exc:
         return _fail(f"error: {_describe_os_error(exc)}", 1)
+    except RuntimeError as exc:  # under torchrun: a peer rank or the job store gone; anything else is a bug
+        from megacpp.distributed.failures import describe_failure
+
+        if (line := describe_failure(exc)) is None:
+            raise
+        return _fail(f"error: {line}", 1)
 
 
 if __name__ == "__main__":

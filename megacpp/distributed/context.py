@@ -19,11 +19,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store
+from torch.distributed import PrefixStore, Store
 
 from megacpp.distributed.config import DistConfig
+from megacpp.distributed.join import connect_store, meet, restart_namespace
 from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
+from megacpp.train.autofit.rendezvous import agent_hosts_store
 from megacpp.versions import supports
 
 # NCCL's flight recorder: on a collective timeout each rank dumps its last collectives, readable with
@@ -191,11 +193,15 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     # NCCL forms them at the first collective, on the device set above.
     device_id = device if device.type == "cuda" and eager_nccl else None
     timeout = timedelta(seconds=cfg.init_timeout_s)
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, store=store, rank=rank,
-                                world_size=world)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if store is None:  # the job store torch's env:// would make, but without its silent wait for the workers
+        agent = agent_hosts_store()
+        store = connect_store(addr, port, rank, world, cfg.init_timeout_s, host=rank == 0 and not agent,
+                              hosted_by="torchrun's agent" if agent else "rank 0")
+        store = PrefixStore("default_pg", store)  # torch's own namespace for the default group's keys
+    meet(store, rank, world, f"{addr}:{port}", cfg.init_timeout_s, restart_namespace())
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, store=store, rank=rank,
+                            world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))

@@ -1,0 +1,151 @@
+"""The edges of a multi-process job: ranks that cannot meet, and a peer that dies (issue 39).
+
+Each case asserts the exit code, one line naming the problem on every rank involved, no Python traceback
+from any rank, and that nothing on disk was lost. Ranks that cannot meet are started as plain processes
+with hand-made torchrun variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE), since torchrun itself never
+launches a mismatched world; every launch runs under a wall-clock limit, so a hang fails the test.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
+from tests.helpers import tiny_train_args, write_corpus
+from tests.torchrun import ROOT, Launch, free_port, torchrun, worker_env
+
+pytestmark = pytest.mark.slow
+
+LAUNCH = "tests/distributed/launch.py"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rdzv") / "corpus"
+    write_corpus(root)
+    return root
+
+
+def train_args(tmp_path, corpus, **overrides: str) -> list[str]:
+    return tiny_train_args(tmp_path, corpus, **{"train.batch_size": "2", **overrides})
+
+
+def plain_ranks(ranks: list[tuple[int, int]], args: list[str], timeout: float, port: int | None = None,
+                stagger_s: float = 0.0) -> list[Launch]:
+    """Start `megacpp <args>` once per (RANK, WORLD_SIZE), as a launcher that sets the variables by hand
+    would; each process's output, exit code and seconds. All are killed when `timeout` passes (a hang)."""
+    port = port or free_port()
+    start = time.monotonic()
+    procs = []
+    for rank, world in ranks:
+        env = worker_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                          "LOCAL_RANK": "0", "WORLD_SIZE": str(world)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "megacpp.cli", *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+        time.sleep(stagger_s)
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"a rank outlived the {timeout} s limit (a hang)") from None
+        results.append(Launch(proc.returncode, out, time.monotonic() - start))
+    return results
+
+
+def one_error(output: str) -> str:
+    """The one error line a process printed, after asserting it printed exactly one and no traceback."""
+    assert "Traceback" not in output, output[-3000:]
+    found = re.findall(r"^megacpp: (?:config )?error: (.*)$", output, flags=re.M)
+    assert len(found) == 1, output[-3000:]
+    return found[0]
+
+
+def worker_lines(output: str) -> str:
+    """What torchrun's workers printed (its agent prints a traceback of its own for any failed worker)."""
+    return "\n".join(line for line in output.splitlines() if re.match(r"\[default\d+\]:", line))
+
+
+# ---------------------------------------------------------------- 1. ranks that cannot meet
+
+
+def test_a_rank_launched_alone_says_what_it_waits_for_and_stops_at_its_init_timeout(tmp_path, corpus):
+    (rank0,) = plain_ranks([(0, 2)], train_args(tmp_path, corpus, **{"dist.init_timeout_s": "8"}), timeout=90)
+    assert rank0.returncode == 1
+    waits = re.findall(r"^megacpp: rank 0 of 2: waiting for the other ranks at 127\.0\.0\.1:\d+: "
+                       r"1 of 2 ranks joined \(missing: 1\) after (\d+) s", rank0.output, flags=re.M)
+    assert len(waits) >= 2, f"a report every 2 s of the 8 s wait:\n{rank0.output[-3000:]}"
+    error = one_error(rank0.output)
+    assert error.startswith("rank 0 of 2: only 1 of 2 ranks joined (missing: 1) within dist.init_timeout_s = 8 s")
+    assert 8 <= rank0.seconds < 60, "it waits its own timeout, and not beyond"
+
+
+def test_ranks_with_different_world_sizes_stop_at_once_naming_both(tmp_path, corpus):
+    """The init timeout is long (600 s): the disagreement stops both ranks long before it."""
+    results = plain_ranks([(0, 2), (1, 3)], train_args(tmp_path, corpus, **{"dist.init_timeout_s": "600"}),
+                          timeout=120, stagger_s=1.0)
+    for result in results:
+        assert result.returncode == 1
+        error = one_error(result.output)
+        assert "WORLD_SIZE disagrees between ranks at 127.0.0.1:" in error
+        assert "rank 1 has 3, rank 0 has 2" in error, error
+        assert result.seconds < 90
+    assert not (tmp_path / "run").exists() or not list_checkpoints(tmp_path / "run")
+
+
+# ---------------------------------------------------------------- 3. rendezvous errors
+
+
+def test_a_rank_launched_twice_stops_every_rank_waiting_to_meet(tmp_path, corpus):
+    """RANK 1 twice in a job of 3: ranks 0 and 1 wait for rank 2 when the second RANK 1 arrives."""
+    results = plain_ranks([(0, 3), (1, 3), (1, 3)], train_args(tmp_path, corpus, **{"dist.init_timeout_s": "600"}),
+                          timeout=120, stagger_s=1.0)
+    errors = [one_error(r.output) for r in results]
+    assert all(r.returncode == 1 for r in results)
+    assert all(e.startswith("RANK=1 was launched twice at 127.0.0.1:") for e in errors), errors
+    assert all(r.seconds < 90 for r in results), "at once, not at the 600 s init timeout"
+
+
+def test_rank_0_launched_twice_cannot_host_the_store_and_says_so(tmp_path, corpus):
+    first, second = plain_ranks([(0, 2), (0, 2)], train_args(tmp_path, corpus, **{"dist.init_timeout_s": "6"}),
+                                timeout=90, stagger_s=2.0)
+    assert second.returncode == 1
+    assert "rank 0 cannot host the job store at 127.0.0.1:" in one_error(second.output)
+    assert first.returncode == 1 and "only 1 of 2 ranks joined" in one_error(first.output)
+
+
+def test_a_store_that_never_comes_is_reported_and_ends_at_the_init_timeout(tmp_path, corpus):
+    """Rank 1 without its rank 0: the job store it must reach is hosted by nobody."""
+    (rank1,) = plain_ranks([(1, 2)], train_args(tmp_path, corpus, **{"dist.init_timeout_s": "6"}), timeout=90)
+    assert rank1.returncode == 1
+    assert re.search(r"^megacpp: rank 1 of 2: waiting for the job store at 127\.0\.0\.1:\d+ \(hosted by rank 0\): "
+                     r"not reachable for \d+ s", rank1.output, flags=re.M), rank1.output[-3000:]
+    error = one_error(rank1.output)
+    assert "the job store at 127.0.0.1:" in error and "was not reachable within dist.init_timeout_s = 6 s" in error
+    assert 6 <= rank1.seconds < 60
+
+
+# ---------------------------------------------------------------- 2. a peer that died
+
+
+def test_a_peer_killed_mid_run_is_one_line_on_the_survivor_and_keeps_the_checkpoint(tmp_path, corpus):
+    result = torchrun([LAUNCH, "--fault", "kill@1:5", *train_args(tmp_path, corpus, **{"dist.step_timeout_s": "60"})],
+                      timeout=240)
+    assert result.returncode != 0
+    workers = worker_lines(result.output)
+    assert "Traceback" not in workers, workers[-3000:]
+    (error,) = re.findall(r"^\[default0\]:megacpp: error: (.*)$", workers, flags=re.M)
+    # gloo says "Connection closed by peer [addr]:port" or "Read error [addr]:port: Connection reset by peer"
+    assert error.startswith("rank 0: a peer rank died during a collective (") and "by peer" in error, error
+    (ckpt,) = list_checkpoints(tmp_path / "run")  # step 3's, written before the kill in step 5
+    assert verify_checkpoint(ckpt)["world_size"] == 2
