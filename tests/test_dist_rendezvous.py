@@ -7,6 +7,7 @@ launches a mismatched world; every launch runs under a wall-clock limit, so a ha
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,10 +16,11 @@ import sys
 import time
 
 import pytest
+from filelock import FileLock
 
 from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from tests.helpers import tiny_train_args, write_corpus
-from tests.torchrun import ROOT, Launch, free_port, torchrun, worker_env
+from tests.torchrun import ROOT, Launch, free_port, torchrun, torchrun_args, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -149,3 +151,55 @@ def test_a_peer_killed_mid_run_is_one_line_on_the_survivor_and_keeps_the_checkpo
     assert error.startswith("rank 0: a peer rank died during a collective (") and "by peer" in error, error
     (ckpt,) = list_checkpoints(tmp_path / "run")  # step 3's, written before the kill in step 5
     assert verify_checkpoint(ckpt)["world_size"] == 2
+
+
+# ---------------------------------------------------------------- 5. orphaned ranks
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the processes whose command line holds `text` (the test's own run directory)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_ranks_whose_torchrun_agent_was_killed_stop_saving_the_step_reached(tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "torchrun_logs"
+    cmd = [*torchrun_args(2, free_port()), f"--log-dir={logs}", LAUNCH,
+           *train_args(tmp_path, corpus, **{"train.steps": "500", "train.ckpt_every": "1000",
+                                            "train.eval_every": "1000"})]
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3):
+            assert agent.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.5)
+        agent.kill()  # SIGKILL to torchrun's agent alone: its workers are orphaned
+        agent.wait()
+        while processes_mentioning(str(run_dir)):
+            assert time.monotonic() < deadline + 60, "orphaned ranks went on training"
+            time.sleep(0.5)
+    finally:
+        for pid in processes_mentioning(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+    (ckpt,) = list_checkpoints(run_dir)
+    step = verify_checkpoint(ckpt)["step"]
+    trained = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+               if json.loads(line)["kind"] == "train"]
+    assert 3 <= step < 500 and trained[-1] == step, "the step reached is saved, nothing trained after it is lost"
+    with FileLock(run_dir / ".megacpp.lock", timeout=0):  # raises Timeout while a rank still holds the run
+        pass
+    worker_output = "\n".join(p.read_text() for p in logs.rglob("*.log"))
+    assert "Traceback" not in worker_output, worker_output[-3000:]
+    for rank in (0, 1):
+        assert f"megacpp: rank {rank}: its launcher (torchrun's agent, pid {agent.pid}) is gone" in worker_output

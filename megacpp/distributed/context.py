@@ -23,6 +23,7 @@ from torch.distributed import PrefixStore, Store
 
 from megacpp.distributed.config import DistConfig
 from megacpp.distributed.join import connect_store, meet, restart_namespace
+from megacpp.distributed.watchdog import LauncherWatch
 from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
 from megacpp.train.autofit.rendezvous import agent_hosts_store
@@ -48,6 +49,7 @@ class DistContext:
     mesh: Any = None  # DeviceMesh of the data-parallel dimension; None on one process
     backend: str = ""
     host: str = field(default_factory=platform.node)
+    launcher_watch: LauncherWatch | None = None  # stops this rank when torchrun's agent is gone
 
     @property
     def distributed(self) -> bool:
@@ -108,6 +110,8 @@ class DistContext:
         called without an active exception'). Never after a failure: a peer may be stuck elsewhere, and
         the barrier would hang.
         """
+        if self.launcher_watch is not None:
+            self.launcher_watch.close()
         if self.distributed and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store() if orderly else None
             if orderly:
@@ -130,8 +134,8 @@ class DistContext:
 def _store_barrier(store: Store, key: str, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
     """Wait until every rank has set `key`/<rank> on the store; a peer that never does (it died) only
     costs the timeout: an orderly exit never hangs on it."""
-    store.set(f"{key}/{rank}", "1")
-    try:
+    try:  # the store's host (torchrun's agent) may be gone too
+        store.set(f"{key}/{rank}", "1")
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError):
         pass
@@ -177,6 +181,8 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     before anything else touches the GPU. ``store``: rendezvous on this store instead of torchrun's
     environment (an auto-fit attempt's own namespace, megacpp.train.autofit.rendezvous). ``eager_nccl``
     False creates the NCCL communicators at the first collective instead of here (an auto-fit retry).
+    The ranks first meet on the job store (megacpp.distributed.join: they say what they wait for and stop
+    on a launch mistake), and under torchrun each rank stops, saving, when its launcher is gone.
     """
     rank, world, local_rank = torchrun_world()
     device = rank_device(device_name, local_rank, world)
@@ -194,6 +200,7 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     device_id = device if device.type == "cuda" and eager_nccl else None
     timeout = timedelta(seconds=cfg.init_timeout_s)
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    launcher = "torchrun's agent" if store is None else "the auto-fit supervisor"  # this process's parent
     if store is None:  # the job store torch's env:// would make, but without its silent wait for the workers
         agent = agent_hosts_store()
         store = connect_store(addr, port, rank, world, cfg.init_timeout_s, host=rank == 0 and not agent,
@@ -205,4 +212,6 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    return DistContext(rank, world, local_rank, device, mesh, backend)
+    # under torchrun only: a rank launched by hand has a shell for its parent, which may leave on purpose
+    watch = LauncherWatch(rank, launcher) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    return DistContext(rank, world, local_rank, device, mesh, backend, launcher_watch=watch)

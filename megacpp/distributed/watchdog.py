@@ -1,4 +1,5 @@
-"""A step watchdog: a rank that stops making progress dumps every thread's stack and exits.
+"""A step watchdog: a rank that stops making progress dumps every thread's stack and exits; and a
+launcher watch: a rank whose torchrun agent is gone stops.
 
 A rank stuck in a collective (a peer died, stalled or took another code path) cannot raise: it waits
 inside NCCL or gloo until the process-group timeout. After warmup the trainer arms this watchdog for
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -70,3 +72,32 @@ class StepWatchdog:
                          f"{self.path}; ending the job (dist.step_timeout_s sets the limit)\n")
         sys.stderr.flush()
         os._exit(STALL_EXIT_CODE)
+
+
+class LauncherWatch:
+    """Stops this rank, as SIGTERM would (it saves the step reached, megacpp.train.interrupt), when the
+    process that launched it is gone: torchrun's agent killed with SIGKILL leaves its workers orphaned, and
+    they would otherwise train on to the end holding the run directory's lock. A daemon thread compares the
+    parent pid every `interval_s` (an orphan is adopted by init or a subreaper, so its parent pid changes)."""
+
+    def __init__(self, rank: int, launcher: str, interval_s: float = 1.0) -> None:
+        self.rank = rank
+        self.launcher = launcher
+        self.parent = os.getppid()
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="megacpp-launcher-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if os.getppid() != self.parent:
+                sys.stderr.write(f"megacpp: rank {self.rank}: its launcher ({self.launcher}, pid {self.parent}) "
+                                 "is gone; stopping as on SIGTERM: saving the step reached\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
