@@ -153,6 +153,23 @@ def test_a_peer_killed_mid_run_is_one_line_on_the_survivor_and_keeps_the_checkpo
     assert verify_checkpoint(ckpt)["world_size"] == 2
 
 
+# ---------------------------------------------------------------- 4. waits during warmup
+
+
+def test_a_rank_waiting_for_a_slow_peer_in_warmup_says_for_whom(tmp_path, corpus):
+    """Rank 1 spends 15 s more on its first step, as a slow compile would: rank 0, blocked in that step's
+    collective, names rank 1 and where it is (a report every 6 s: a quarter of dist.init_timeout_s)."""
+    result = torchrun([LAUNCH, "--fault", "slow_warmup@1:15",
+                       *train_args(tmp_path, corpus, **{"dist.init_timeout_s": "24"})], timeout=240).check()
+    workers = worker_lines(result.output)
+    assert "Traceback" not in workers
+    assert re.search(r"^\[default0\]:megacpp: rank 0: waiting \d+ s in a collective at megacpp/\S+ \S+ for rank 1 "
+                     r"\(running, at tests/distributed/launch\.py:\d+ slow_first_step\)$", workers, flags=re.M), \
+        workers[-3000:]
+    assert not re.search(r"^\[default1\]:megacpp: rank 1: waiting", workers, flags=re.M), "rank 1 is the busy one"
+    assert len(list_checkpoints(tmp_path / "run")) == 2
+
+
 # ---------------------------------------------------------------- 5. orphaned ranks
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
 from megacpp.distributed.config import DistConfig
-from megacpp.distributed.join import connect_store, meet, restart_namespace
-from megacpp.distributed.watchdog import LauncherWatch
+from megacpp.distributed.join import connect_store, meet, report_interval, restart_namespace
+from megacpp.distributed.watchdog import LauncherWatch, WaitReporter
 from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
 from megacpp.train.autofit.rendezvous import agent_hosts_store
@@ -50,6 +50,7 @@ class DistContext:
     backend: str = ""
     host: str = field(default_factory=platform.node)
     launcher_watch: LauncherWatch | None = None  # stops this rank when torchrun's agent is gone
+    wait_reporter: WaitReporter | None = None  # says what a rank blocked in a collective waits for
 
     @property
     def distributed(self) -> bool:
@@ -110,8 +111,9 @@ class DistContext:
         called without an active exception'). Never after a failure: a peer may be stuck elsewhere, and
         the barrier would hang.
         """
-        if self.launcher_watch is not None:
-            self.launcher_watch.close()
+        for helper in (self.launcher_watch, self.wait_reporter):
+            if helper is not None:
+                helper.close()
         if self.distributed and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store() if orderly else None
             if orderly:
@@ -182,7 +184,8 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     environment (an auto-fit attempt's own namespace, megacpp.train.autofit.rendezvous). ``eager_nccl``
     False creates the NCCL communicators at the first collective instead of here (an auto-fit retry).
     The ranks first meet on the job store (megacpp.distributed.join: they say what they wait for and stop
-    on a launch mistake), and under torchrun each rank stops, saving, when its launcher is gone.
+    on a launch mistake); a rank blocked in a collective says for whom, and under torchrun each rank
+    stops, saving, when its launcher is gone.
     """
     rank, world, local_rank = torchrun_world()
     device = rank_device(device_name, local_rank, world)
@@ -214,4 +217,5 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     # under torchrun only: a rank launched by hand has a shell for its parent, which may leave on purpose
     watch = LauncherWatch(rank, launcher) if "TORCHELASTIC_RUN_ID" in os.environ else None
-    return DistContext(rank, world, local_rank, device, mesh, backend, launcher_watch=watch)
+    reporter = WaitReporter(store, rank, world, report_interval(cfg.init_timeout_s))
+    return DistContext(rank, world, local_rank, device, mesh, backend, launcher_watch=watch, wait_reporter=reporter)
