@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import DistStoreError, Store, TCPStore
 
 from megacpp.errors import MegacppError
 
@@ -101,10 +101,11 @@ def meet(store: Store, rank: int, world_size: int, where: str, timeout_s: float,
     while True:
         try:
             store.wait([done], timedelta(seconds=POLL_S))
-        except RuntimeError as exc:  # DistStoreError: not all joined yet; anything else: the store is gone
-            if "timeout" not in str(exc).lower():
-                raise RendezvousError(f"{me}: lost the job store at {where} while waiting for the other ranks "
-                                      f"({_first_line(exc)}): the rank or agent that hosts it ended") from None
+        except DistStoreError:  # its timeout: not all ranks joined yet
+            pass
+        except RuntimeError as exc:  # DistNetworkError and the like: the store is gone
+            raise RendezvousError(f"{me}: lost the job store at {where} while waiting for the other ranks "
+                                  f"({_first_line(exc)}): the rank or agent that hosts it ended") from None
         else:
             if not store.check([failed]):
                 return
