@@ -157,9 +157,9 @@ def test_a_peer_killed_mid_run_is_one_line_on_the_survivor_and_keeps_the_checkpo
 
 
 def test_a_rank_waiting_for_a_slow_peer_in_warmup_says_for_whom(tmp_path, corpus):
-    """Rank 1 spends 15 s more on its first step, as a slow compile would: rank 0, blocked in that step's
+    """Rank 1 spends 18 s more on its first step, as a slow compile would: rank 0, blocked in that step's
     collective, names rank 1 and where it is (a report every 6 s: a quarter of dist.init_timeout_s)."""
-    result = torchrun([LAUNCH, "--fault", "slow_warmup@1:15",
+    result = torchrun([LAUNCH, "--fault", "slow_warmup@1:18",
                        *train_args(tmp_path, corpus, **{"dist.init_timeout_s": "24"})], timeout=240).check()
     workers = worker_lines(result.output)
     assert "Traceback" not in workers
