@@ -451,10 +451,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"error: {exc}", 1)
     except OSError as exc:
         return _fail(f"error: {_describe_os_error(exc)}", 1)
-    except RuntimeError as exc:
-        if (message := _out_of_memory(exc)) is None:
+    except RuntimeError as exc:  # out of memory, or under torchrun a peer rank or the job store gone; else a bug
+        from megacpp.distributed.failures import describe_failure
+
+        if (line := _out_of_memory(exc) or describe_failure(exc)) is None:
             raise
-        return _fail(f"error: {message}", 1)
+        return _fail(f"error: {line}", 1)
 
 
 if __name__ == "__main__":

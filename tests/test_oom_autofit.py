@@ -192,6 +192,7 @@ def test_a_retry_forms_its_nccl_communicators_lazily_on_its_own_store(monkeypatc
     monkeypatch.setattr(context, "rank_device", lambda *_: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "set_device", lambda _device: None)
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(context, "meet", lambda *_args: None)  # its peer never comes: only the group matters here
     store = torch.distributed.HashStore()
     with pytest.raises(_Stop):
         context.init_distributed("auto", DistConfig(), store=store, eager_nccl=eager)

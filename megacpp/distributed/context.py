@@ -19,9 +19,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store
+from torch.distributed import PrefixStore, Store
 
 from megacpp.distributed.config import DistConfig
+from megacpp.distributed.join import agent_hosts_store, connect_store, meet, report_interval, restart_namespace
+from megacpp.distributed.watchdog import LauncherWatch, WaitReporter
 from megacpp.errors import ConfigError
 from megacpp.runtime.device import resolve_device
 from megacpp.versions import supports
@@ -46,6 +48,8 @@ class DistContext:
     mesh: Any = None  # DeviceMesh of the data-parallel dimension; None on one process
     backend: str = ""
     host: str = field(default_factory=platform.node)
+    launcher_watch: LauncherWatch | None = None  # stops this rank when torchrun's agent is gone
+    wait_reporter: WaitReporter | None = None  # says what a rank blocked in a collective waits for
 
     @property
     def distributed(self) -> bool:
@@ -106,6 +110,9 @@ class DistContext:
         called without an active exception'). Never after a failure: a peer may be stuck elsewhere, and
         the barrier would hang.
         """
+        for helper in (self.launcher_watch, self.wait_reporter):
+            if helper is not None:
+                helper.close()
         if self.distributed and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store() if orderly else None
             if orderly:
@@ -128,8 +135,8 @@ class DistContext:
 def _store_barrier(store: Store, key: str, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
     """Wait until every rank has set `key`/<rank> on the store; a peer that never does (it died) only
     costs the timeout: an orderly exit never hangs on it."""
-    store.set(f"{key}/{rank}", "1")
-    try:
+    try:  # the store's host (torchrun's agent) may be gone too
+        store.set(f"{key}/{rank}", "1")
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError):
         pass
@@ -175,6 +182,9 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     before anything else touches the GPU. ``store``: rendezvous on this store instead of torchrun's
     environment (an auto-fit attempt's own namespace, megacpp.train.autofit.rendezvous). ``eager_nccl``
     False creates the NCCL communicators at the first collective instead of here (an auto-fit retry).
+    The ranks first meet on the job store (megacpp.distributed.join: they say what they wait for and stop
+    on a launch mistake); a rank blocked in a collective says for whom, and under torchrun each rank
+    stops, saving, when its launcher is gone.
     """
     rank, world, local_rank = torchrun_world()
     device = rank_device(device_name, local_rank, world)
@@ -191,12 +201,20 @@ def init_distributed(device_name: str, cfg: DistConfig, run_dir: str | Path | No
     # NCCL forms them at the first collective, on the device set above.
     device_id = device if device.type == "cuda" and eager_nccl else None
     timeout = timedelta(seconds=cfg.init_timeout_s)
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, store=store, rank=rank,
-                                world_size=world)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    launcher = "torchrun's agent" if store is None else "the auto-fit supervisor"  # this process's parent
+    if store is None:  # the job store torch's env:// would make, but without its silent wait for the workers
+        agent = agent_hosts_store()
+        store = connect_store(addr, port, rank, world, cfg.init_timeout_s, host=rank == 0 and not agent,
+                              hosted_by="torchrun's agent" if agent else "rank 0")
+        store = PrefixStore("default_pg", store)  # torch's own namespace for the default group's keys
+    meet(store, rank, world, f"{addr}:{port}", cfg.init_timeout_s, restart_namespace())
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, store=store, rank=rank,
+                            world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    return DistContext(rank, world, local_rank, device, mesh, backend)
+    # under torchrun only: a rank launched by hand has a shell for its parent, which may leave on purpose
+    watch = LauncherWatch(rank, launcher) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    reporter = WaitReporter(store, rank, world, report_interval(cfg.init_timeout_s))
+    return DistContext(rank, world, local_rank, device, mesh, backend, launcher_watch=watch, wait_reporter=reporter)

@@ -8,6 +8,7 @@ Faults (RANK is the global rank that misbehaves; STEP the training step it does 
   nan@R:S           rank R's forward output turns NaN in step S (its own loss only)
   stall@R:S         rank R stops making progress in step S (sleeps)
   kill@R:S          rank R is killed with SIGKILL in step S
+  slow_warmup@R:S   rank R spends S seconds more on its first step (as a slow compile would)
   interrupt@R:S     rank R raises KeyboardInterrupt before step S (every rank should use it)
   sigint_step@R:S   rank R gets SIGINT (as from Ctrl-C) as step S starts, before its forward
   sigint_eval@R:S   rank R gets SIGINT (as from Ctrl-C) in the evaluation after step S, after its first batch
@@ -77,6 +78,16 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
             self.expert_bias[: self.cfg.n_experts // 2] = 100.0
 
         MoE.reset_parameters = reset_parameters
+        return args
+    if kind == "slow_warmup":
+        original_first = Trainer.train_step
+
+        def slow_first_step(self):
+            if self.step == 0:
+                time.sleep(step)
+            return original_first(self)
+
+        Trainer.train_step = slow_first_step
         return args
     if kind in ("nan", "stall", "kill", "interrupt", "drift", "sigint_step"):
         original = Trainer.train_step

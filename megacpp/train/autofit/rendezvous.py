@@ -15,24 +15,21 @@ otherwise rank 0's supervisor hosts it, so it outlives every attempt):
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
+
+from megacpp.distributed.join import agent_hosts_store, connect_store
 
 CLAIM_KEY = "megacpp/run_dir_claim"  # rank 0's supervisor: "" (claimed) or its one-line refusal
 
 
-def agent_hosts_store(environ: dict[str, str] | None = None) -> bool:
-    """Whether torchrun's agent hosts the job store (it does for the static and c10d rendezvous)."""
-    env = os.environ if environ is None else environ
-    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def job_store(timeout_s: float, host: bool = False) -> TCPStore:
     """A connection to the job store at MASTER_ADDR:MASTER_PORT; ``host`` starts it instead (rank 0's
-    supervisor, when no torchrun agent hosts one)."""
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=host,
-                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    supervisor, when no torchrun agent hosts one). A client says what it waits for while the store is not
+    reachable yet (megacpp.distributed.join)."""
+    return connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                         int(os.environ["WORLD_SIZE"]), timeout_s, host,
+                         "torchrun's agent" if agent_hosts_store() else "rank 0's supervisor")
 
 
 def attempt_store(store: Store, attempt: int) -> PrefixStore:

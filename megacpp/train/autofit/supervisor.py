@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING
 
 from megacpp.config import Config
 from megacpp.distributed.context import torchrun_world
+from megacpp.distributed.join import agent_hosts_store
 from megacpp.train.autofit import attempt as autofit
 from megacpp.train.autofit.attempt import AutoFitError, OomReport, next_micro_batch
 from megacpp.train.autofit.child_output import ChildOutput
-from megacpp.train.autofit.rendezvous import CLAIM_KEY, agent_hosts_store, job_store, oom_key
+from megacpp.train.autofit.rendezvous import CLAIM_KEY, job_store, oom_key
 from megacpp.train.config import TrainConfig
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
