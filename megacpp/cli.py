@@ -2,7 +2,7 @@
 
 The parser and `--help` load no torch: what this module imports at the top is torch-free (argparse, the
 preset names, the compile choices), and everything else is imported by the command that runs. Reading
-the configuration (`megacpp.run_config`) imports the model's config sections, and with them torch.
+the configuration (`megacpp.run_config`) loads no torch either, so `megacpp config` answers without it.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ the gate is frozen (megacpp.section): the values it accepted are the values ever
 
 It sits above `megacpp.config` (the dataclasses and parsing), `megacpp.presets` and `megacpp.validate`,
 which all build on `megacpp.config`, so none of them needs a late import to break a cycle (presets.py
-imports it late only so that the preset names, the CLI's choices, load without torch).
+imports it late only so that the preset names, the CLI's choices, load without the sections).
 """
 from __future__ import annotations
 

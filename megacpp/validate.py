@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megacpp.config import Config
-from megacpp.model.rope import LONG_CONTEXT_THETAS, SHORT_CONTEXT_THETA, rope_theta_for_length
+from megacpp.model.rope_theta import LONG_CONTEXT_THETAS, SHORT_CONTEXT_THETA, rope_theta_for_length
 from megacpp.optim.kind_scales import parse_lr_scales
 from megacpp.optim.registry import OPTIMIZERS
 from megacpp.optim.schedule import WarmupStableDecay

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-import torch
 from packaging.version import Version
 
 
@@ -75,6 +74,10 @@ GATES: dict[str, Gate] = {
 
 def torch_version() -> Version:
     """The running torch's version (the only place megacpp reads ``torch.__version__``)."""
+    # Imported here: the configuration gate reads the gate table (MoE's grouped dispatch) and must not
+    # load torch (~1.5 s) before `megacpp config` answers, unless a rule asks for the running version.
+    import torch
+
     return parse_version(torch.__version__)
 
 

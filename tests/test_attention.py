@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
-from megacpp.model.attention import Attention, AttentionConfig, attend
+from megacpp.model.attention import Attention, attend
+from megacpp.model.attention_config import AttentionConfig
 from megacpp.model.hints import collect_param_hints
 from megacpp.model.rope import rope_table
 from megacpp.model.segments import Segments, document_segments, segments_of

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
-from megacpp.model.engram import WINDOWS, Engram, EngramConfig, NgramHashEmbedding, is_prime
+from megacpp.model.engram import WINDOWS, Engram, NgramHashEmbedding, is_prime
+from megacpp.model.engram_config import EngramConfig
 from megacpp.model.hints import collect_param_hints
 from megacpp.model.segments import Segments, document_segments
 

@@ -1,16 +1,22 @@
-"""Extending megacpp: a block kind is its module, one registry line and one ModelConfig field; an optimizer
-is its module and one registry line, plus an OptimConfig field for a knob of its own.
+"""Extending megacpp: a block kind is its mixer module, its torch-free config module, one registry line and
+one ModelConfig field; an optimizer is its module, its torch-free spec module and one registry line, plus an
+OptimConfig field for a knob of its own.
 
-The toys are test-local modules (tests/toy_block.py, tests/toy_optimizer.py). What a developer would add
-to the package is added here by registration, nothing in megacpp is edited: the registry lines with
-monkeypatch.setitem, the config fields as dataclass subclasses that the starting point of `load_config`
-(`megacpp.run_config.Config`) is swapped for. Each toy trains two steps on CPU through the real trainer
-(`megacpp.train.loop.train`), and the gate refuses its bad values naming the TOML file and line.
+The toys are test-local modules (tests/toy_block.py and toy_block_config.py, tests/toy_optimizer.py and
+toy_optimizer_spec.py). What a developer would add to the package is added here by registration, nothing
+in megacpp is edited: the registry lines with monkeypatch.setitem, the config fields as dataclass subclasses
+that the starting point of `load_config` (`megacpp.run_config.Config`) is swapped for. Each toy trains two
+steps on CPU through the real trainer (`megacpp.train.loop.train`), and the gate refuses its bad values
+naming the TOML file and line.
 """
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +32,11 @@ from megacpp.run_config import load_config
 from megacpp.runtime.checkpoint import list_checkpoints, load_checkpoint
 from megacpp.train.loop import train
 from tests.helpers import tiny_overrides
-from tests.toy_block import ToyConfig, ToyMixer
-from tests.toy_optimizer import SIGN_SPEC
+from tests.toy_block import ToyMixer
+from tests.toy_block_config import ToyConfig
+from tests.toy_optimizer_spec import SIGN_SPEC
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -125,3 +134,13 @@ def test_tier3_a_toy_optimizer_trains_its_parameters_and_its_bad_values_are_refu
     path = tmp_path / "run.toml"
     error = _refused(tmp_path, small_corpus, '[model]\npattern = "AT"\n\n[optim]\nsign_lr = 2.0\n')
     assert error == f"{path}:5: optim.sign_lr = 2.0 must be in [0, 1]"
+
+
+def test_the_toy_config_section_and_optimizer_spec_load_without_torch():
+    """What the configuration composes (the section, the spec) loads no torch, so `megacpp config` does not
+    either; the mixer and the optimizer class it names load torch only when a model or a stack is built."""
+    code = ("import sys, tests.toy_block_config, tests.toy_optimizer_spec; loaded = 'torch' in sys.modules; "
+            "tests.toy_optimizer_spec.SIGN_SPEC.optimizer; print(loaded, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO)
+    assert result.stdout.split() == ["False", "True"]

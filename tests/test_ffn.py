@@ -6,7 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
-from megacpp.model.ffn import FFN, FFNConfig
+from megacpp.model.ffn import FFN
+from megacpp.model.ffn_config import FFNConfig
 from megacpp.model.segments import document_segments
 
 D_MODEL, HIDDEN = 16, 24

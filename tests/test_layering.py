@@ -183,6 +183,18 @@ def test_the_data_package_loads_its_names_on_first_use():
     assert _fresh_import("megacpp.config", "megacpp.data") == "['megacpp.data', 'megacpp.data.config']"
 
 
+
+def test_the_optim_package_loads_its_names_on_first_use():
+    """`from megacpp.optim import X` works for every documented name, and reading the configuration loads
+    none of the optimizers (their classes import torch; the gate needs only their specs)."""
+    import megacpp.optim
+
+    assert all(getattr(megacpp.optim, name) is not None for name in megacpp.optim.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        megacpp.optim.nope  # noqa: B018
+    loaded = _fresh_import("megacpp.run_config", ("megacpp.optim.muon", "megacpp.optim.adamw", "megacpp.optim.stack"))
+    assert loaded == "['megacpp.optim.adamw_spec', 'megacpp.optim.muon_spec']"
+
 HELP_PROBE = """
 import contextlib, io, sys
 from megacpp.cli import main
@@ -211,3 +223,45 @@ def test_help_of_every_command_answers_without_importing_torch():
         assert text.startswith(f"usage: megacpp {command}".rstrip()), f"`megacpp {command} --help`: {text[:80]!r}"
     assert "--preset {dense,nam52,small,tiny}" in outputs["config"]
     assert "--resume" in outputs["train"] and "--by-position" in outputs["eval"] and "--top-k" in outputs["sample"]
+
+
+CONFIG_PROBE = """
+import contextlib, io, sys
+from megacpp.cli import main
+outputs = []
+for argv in {commands!r}:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    outputs.append((code, out.getvalue()))
+print(repr(("torch" in sys.modules, outputs)))
+"""
+
+
+def test_megacpp_config_and_load_config_answer_without_importing_torch(tmp_path):
+    """`megacpp config` (a preset, overrides, a config file), which runs `load_config`, reads and checks a
+    configuration without torch (~1.5 s of import): the sections, their rules and the optimizers' specs are torch-free
+    modules. What it prints is what `dump_toml` makes of the config this torch-importing process loads."""
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text('preset = "small"\n\n[model]\ndepth = 12\n\n[model.moe]\nn_experts = 16\n')
+    cases = [
+        (["config", "--preset", "tiny"], ("tiny", None, [])),
+        (["config", "--preset", "nam52", "--model.depth", "12"], ("nam52", None, [("model.depth", "12")])),
+        (["config", "--config", str(run_toml), "--optim.muon_lr", "0.01"],
+         (None, run_toml, [("optim.muon_lr", "0.01")])),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    probe = CONFIG_PROBE.format(commands=[argv for argv, _ in cases])
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    loaded_torch, outputs = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert not loaded_torch
+
+    import torch  # noqa: F401  (the comparison runs on the path that has torch loaded)
+
+    from megacpp.config import dump_toml
+    from megacpp.run_config import load_config
+
+    for (argv, (preset, path, overrides)), (code, printed) in zip(cases, outputs, strict=True):
+        assert code == 0, argv
+        assert printed == dump_toml(load_config(preset, path, overrides)[0]), argv
+    assert "depth = 12" in outputs[1][1] and "n_experts = 16" in outputs[2][1] and "muon_lr = 0.01" in outputs[2][1]

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from megacpp.config import ConfigError, apply_overrides
-from megacpp.model.attention import Attention, AttentionConfig
+from megacpp.model.attention import Attention
+from megacpp.model.attention_config import AttentionConfig
 from megacpp.model.hybrid import HybridLM
-from megacpp.model.rope import rope_theta_for_length
+from megacpp.model.rope_theta import rope_theta_for_length
 from megacpp.presets import PRESETS, preset
 from megacpp.validate import validate_config
 from tests.test_hybrid import LOGIT_ATOL, randomize, shrunk

@@ -5,7 +5,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from megacpp.model.hints import collect_param_hints
-from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.model.m2rnn import M2RNN
+from megacpp.model.m2rnn_config import M2RNNConfig
 from megacpp.model.segments import document_segments
 from megacpp.ops.m2rnn_scan import m2rnn_scan, m2rnn_step
 

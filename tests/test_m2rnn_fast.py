@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.model.m2rnn import M2RNN
+from megacpp.model.m2rnn_config import M2RNNConfig
 from megacpp.ops import m2rnn_scan as scan_ops
 from megacpp.ops import m2rnn_triton_fast as fast
 from megacpp.ops.m2rnn_scan import _scan_bwd, _scan_fast_fwd, _scan_fwd

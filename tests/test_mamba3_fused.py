@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from megacpp.config import Config, ConfigError, apply_overrides
-from megacpp.model.mamba3 import Mamba3, Mamba3Config
+from megacpp.model.mamba3 import Mamba3
+from megacpp.model.mamba3_config import Mamba3Config
 from megacpp.model.segments import document_segments
 from megacpp.ops import mamba3_fused, triton_choice
 from megacpp.ops.mamba3_fused import (
@@ -42,8 +43,8 @@ from megacpp.ops.mamba3_fused import (
     mamba3_fused_scan,
     mamba3_fused_scan_reference,
     rotate_pairs,
-    triton_size_reason,
 )
+from megacpp.ops.mamba3_limits import triton_size_reason
 from megacpp.ops.mamba3_scan import mamba3_scan, mamba3_scan_sequential
 from megacpp.presets import preset
 from megacpp.validate import validate_config

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megacpp.model.hints import collect_param_hints
-from megacpp.model.mamba3 import Mamba3, Mamba3Config
+from megacpp.model.mamba3 import Mamba3
+from megacpp.model.mamba3_config import Mamba3Config
 from megacpp.model.mamba3_convert import (
     config_from_mamba_ssm,
     config_to_mamba_ssm,

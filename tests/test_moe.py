@@ -9,7 +9,6 @@ from torch._dynamo.utils import counters
 from megacpp.model.hints import collect_param_hints, reduced_buffers
 from megacpp.model.moe import (
     MoE,
-    MoEConfig,
     dispatch_slots,
     expert_capacity,
     expert_order,
@@ -18,6 +17,7 @@ from megacpp.model.moe import (
     permute_rows,
     token_choice_route,
 )
+from megacpp.model.moe_config import MoEConfig
 
 D = 8
 # float64 reference comparisons: a few ulps of ~1e-16 amplified by short sums of O(1) terms.

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp.optim import Muon, lr_ratio, orthogonalize, second_moment_shape, torch_muon_compatible
+from megacpp.optim import Muon, lr_ratio, second_moment_shape, torch_muon_compatible
+from megacpp.optim.orthogonalize import orthogonalize
 
 SHAPES = [(32, 48), (64, 16), (24, 24), (32, 48)]  # wide, tall, square, and a second wide (one bucket of 2)
 

@@ -85,7 +85,7 @@ class ToyMomentumSGD(TensorHParamOptimizer):
 
 
 TOY_SPEC = OptimizerSpec(
-    ToyMomentumSGD,
+    "tests.test_optim_registry:ToyMomentumSGD",
     settings=lambda cfg: {"lr": 0.25},
     group_settings=lambda route, cfg: {"lr": 0.25, "weight_decay": 0.0},
     state_bytes=lambda route, cfg: 4 * route.param.numel(),

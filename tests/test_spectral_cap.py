@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.model.m2rnn import M2RNN
+from megacpp.model.m2rnn_config import M2RNNConfig
 from megacpp.ops.m2rnn_scan import m2rnn_scan
 from megacpp.optim import OptimConfig, build_optimizers
 from megacpp.optim.spectral_cap import CappedParam, SpectralCap, spectral_norm_bound

@@ -1,31 +1,17 @@
-"""A toy block kind, written as a new kind's module is: its config section and its mixer, nothing else.
+"""A toy block kind's mixer, written as a new kind's mixer module is: the mixer, nothing else.
 
-tests/test_extending.py adds it to the model with one registry line and one ModelConfig field. The mixer
-is a gated linear unit: ``down(a * sigmoid(b))`` with ``a | b = up(x)``.
+Its config section is tests/toy_block_config.py; tests/test_extending.py adds the kind to the model with
+one registry line and one ModelConfig field. The mixer is a gated linear unit: ``down(a * sigmoid(b))``
+with ``a | b = up(x)``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.rules import AT_LEAST_1, ConfigSection, Interval, Keys, check_alone
-
-
-@dataclass
-class ToyConfig(ConfigSection):
-    hidden: int = 16
-
-    @classmethod
-    def ranges(cls) -> dict[str, Interval]:
-        return {"hidden": AT_LEAST_1}
-
-    def check(self, k: Keys) -> None:
-        """The up-projection's rows split into two equal halves, the values and their gates."""
-        if self.hidden % 2:
-            raise k.error("hidden", "must be even: half the rows gate the other half")
+from megacpp.rules import check_alone
+from tests.toy_block_config import ToyConfig
 
 
 class ToyMixer(nn.Module):

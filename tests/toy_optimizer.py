@@ -1,4 +1,5 @@
-"""A toy optimizer, written as a new optimizer's module is: its class and its spec, nothing else.
+"""A toy optimizer, written as a new optimizer's module is: its class, nothing else (its spec is
+tests/toy_optimizer_spec.py).
 
 Sign descent, ``p <- p - lr * sign(g)``: every entry moves by exactly lr or not at all, which makes its
 steps easy to recognise. tests/test_extending.py registers it with one registry line and gives it one
@@ -11,11 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacpp.optim.config import OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
-from megacpp.optim.route import Route
-from megacpp.optim.spec import OptimizerSpec
-from megacpp.rules import UNIT
 
 
 class SignDescent(TensorHParamOptimizer):
@@ -35,19 +32,3 @@ class SignDescent(TensorHParamOptimizer):
             for p in group["params"]:
                 if p.grad is not None:  # the clip's coefficient is > 0: it never changes a sign
                     p.sub_(group["lr"] * torch.sign(p.grad))
-
-
-def _settings(cfg: OptimConfig) -> dict[str, Any]:
-    return {"lr": cfg.sign_lr}
-
-
-def _group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
-    return {"lr": cfg.sign_lr}
-
-
-def _state_bytes(route: Route, cfg: OptimConfig) -> int:
-    return 0
-
-
-# A step moves every entry by lr: beyond 1 it would outrun any weight's scale.
-SIGN_SPEC = OptimizerSpec(SignDescent, _settings, _group_settings, _state_bytes, ranges={"sign_lr": UNIT})

@@ -17,10 +17,13 @@ from timing import fwd_bwd_ms, graph_breaks  # benchmarks/kernels/timing.py (the
 from torch import nn
 
 from megacpp.compile.cache import setup_inductor_cache
-from megacpp.model.attention import Attention, AttentionConfig
-from megacpp.model.mamba3 import Mamba3, Mamba3Config
+from megacpp.model.attention import Attention
+from megacpp.model.attention_config import AttentionConfig
+from megacpp.model.mamba3 import Mamba3
+from megacpp.model.mamba3_config import Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
-from megacpp.model.moe import MoE, MoEConfig
+from megacpp.model.moe import MoE
+from megacpp.model.moe_config import MoEConfig
 from megacpp.model.segments import Segments, document_segments
 
 

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from timing import median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
-from megacpp.model.m2rnn import M2RNN, M2RNNConfig
+from megacpp.model.m2rnn import M2RNN
+from megacpp.model.m2rnn_config import M2RNNConfig
 from megacpp.ops import m2rnn_scan as scan_ops
 from megacpp.ops import m2rnn_triton, m2rnn_triton_fast
 from megacpp.ops.m2rnn_scan import _scan_bwd_reference, _scan_fwd_reference

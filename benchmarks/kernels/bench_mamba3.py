@@ -30,7 +30,8 @@ import torch._dynamo
 from timing import fwd_bwd_ms, graph_breaks  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
 from megacpp.compile.cache import setup_inductor_cache
-from megacpp.model.mamba3 import Mamba3, Mamba3Config
+from megacpp.model.mamba3 import Mamba3
+from megacpp.model.mamba3_config import Mamba3Config
 from megacpp.model.mamba3_convert import config_to_mamba_ssm
 from megacpp.model.segments import Segments, document_segments
 from megacpp.ops.mamba3_fused import mamba3_fused_scan

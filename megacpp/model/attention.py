@@ -8,52 +8,18 @@ h // (H / Hkv)).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from megacpp.model.attention_config import AttentionConfig
 from megacpp.model.hints import ParamHint
 from megacpp.model.rope import apply_rope, rope_table
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, block_mask, segments_of
-from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys, check_alone
+from megacpp.rules import check_alone
 
-QkClipMode = Literal["off", "weight", "activation"]
-AttentionBackend = Literal["auto", "sdpa", "flex"]
 QK_NORM_EPS = 1e-6  # fixed so bf16 inputs do not get finfo(bf16).eps = 7.8e-3 added to mean(x^2)
-
-
-@dataclass
-class AttentionConfig(ConfigSection):
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 32
-    rope_theta: float = 10000.0
-    # Rows of the RoPE tables: the longest training or evaluation row (the gate holds data.seq_len to it).
-    # Decoding is not bound by it: a longer decode cache carries its own longer tables.
-    max_seq_len: int = 8192
-    qk_norm: bool = True
-    softcap: float = 0.0  # 0 = off; else logits -> softcap * tanh(logits / softcap)
-    qk_clip: QkClipMode = "off"
-    qk_clip_tau: float = 100.0
-    backend: AttentionBackend = "auto"  # flex applies on CUDA; CPU always uses SDPA
-
-    @classmethod
-    def ranges(cls) -> dict[str, Interval]:
-        return {"n_heads": AT_LEAST_1, "n_kv_heads": AT_LEAST_1, "head_dim": AT_LEAST_1, "rope_theta": POSITIVE,
-                "max_seq_len": AT_LEAST_1, "softcap": NON_NEGATIVE, "qk_clip_tau": POSITIVE}  # softcap 0 = off
-
-    def check(self, k: Keys) -> None:
-        """Grouped-query attention: query head h reads kv head h // (n_heads / n_kv_heads). RoPE rotates
-        pairs of dimensions."""
-        if self.n_heads % self.n_kv_heads:
-            raise k.error_among(("n_heads", "n_kv_heads"),
-                                "n_heads must be a multiple of n_kv_heads (query heads share kv heads in groups)")
-        if self.head_dim % 2:
-            raise k.error("head_dim", "must be even: RoPE rotates pairs of dimensions")
 
 
 def mask_kind(cfg: AttentionConfig, device: torch.device, has_documents: bool) -> MaskKind:

@@ -1,17 +1,20 @@
-"""Model configuration: the pattern, the widths, and one sub-config per block kind."""
+"""Model configuration: the pattern, the widths, and one sub-config per block kind.
+
+Torch-free like every section it composes (each kind's `<kind>_config` module), so reading a configuration
+(`megacpp config`) does not load torch; tests/test_layering.py holds it to that."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megacpp.model.attention import AttentionConfig
-from megacpp.model.engram import EngramConfig
-from megacpp.model.ffn import FFNConfig
-from megacpp.model.m2rnn import M2RNNConfig
-from megacpp.model.mamba3 import Mamba3Config
-from megacpp.model.moe import MoEConfig
+from megacpp.model.attention_config import AttentionConfig
+from megacpp.model.engram_config import EngramConfig
+from megacpp.model.ffn_config import FFNConfig
+from megacpp.model.m2rnn_config import M2RNNConfig
+from megacpp.model.mamba3_config import Mamba3Config
+from megacpp.model.moe_config import MoEConfig
 from megacpp.model.pattern import PatternConfigError, PatternError, expand_pattern, validate_pattern
 from megacpp.model.registry import BLOCK_KINDS
-from megacpp.ops.softcap_xent import MAX_CAP, LossKernel
+from megacpp.ops.softcap_xent_limits import MAX_CAP, LossKernel
 from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Interval, Keys
 
 MAX_DEPTH = 10_000  # blocks: far beyond any model trained here (nam52 has 52), far below a hang

@@ -7,42 +7,18 @@ the data and the modules compile with fullgraph=True.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.engram_config import EngramConfig
 from megacpp.model.hints import ParamHint
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, ConfigSection, Interval, Keys, check_alone
+from megacpp.rules import check_alone
 
 WINDOWS = (2, 3, 4)  # Engram averages the current token with the previous 1, 2 and 3
 _GOLDEN = 0x9E3779B1  # odd 32-bit golden-ratio constant; the seed of the fixed hash multipliers
-
-
-@dataclass
-class EngramConfig(ConfigSection):
-    layers: list[int] = field(default_factory=list)  # block indices that get an Engram branch
-    dim: int = 64
-    gate: bool = False
-    ngram_hash: bool = False
-    ngram_orders: list[int] = field(default_factory=lambda: [2, 3])
-    ngram_heads: int = 2
-    ngram_table_size: int = 0  # 0 = next prime >= 2 * vocab; else rounded up to a prime
-    ngram_dim: int = 64  # width of the hash-table embeddings before the projection to d_model
-
-    @classmethod
-    def ranges(cls) -> dict[str, Interval]:
-        return {"dim": AT_LEAST_1, "ngram_heads": AT_LEAST_1,
-                "ngram_table_size": NON_NEGATIVE,  # 0 = next prime >= 2 * vocab
-                "ngram_dim": AT_LEAST_1}
-
-    def check(self, k: Keys) -> None:
-        """The n-gram hash embeds n-grams of order >= 2 (order 1 is the token embedding itself). Which
-        blocks get a branch is a rule of the model's (ModelConfig.check): it needs the depth."""
-        if self.ngram_hash and (not self.ngram_orders or min(self.ngram_orders) < 2):
-            raise k.error("ngram_orders", "needs one or more orders, each >= 2 (1 is the token embedding)")
 
 
 def _shift(x: Tensor, lag: int, fill: float | int) -> Tensor:

@@ -1,27 +1,13 @@
 """F block mixer: dense feed-forward, relu^2 (default) or SwiGLU."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.ffn_config import FFNConfig
 from megacpp.model.segments import WHOLE_ROWS, Segments
-from megacpp.rules import AT_LEAST_1, ConfigSection, Interval, check_alone
-
-Activation = Literal["relu2", "swiglu"]
-
-
-@dataclass
-class FFNConfig(ConfigSection):
-    hidden: int = 512
-    activation: Activation = "relu2"
-
-    @classmethod
-    def ranges(cls) -> dict[str, Interval]:
-        return {"hidden": AT_LEAST_1}
+from megacpp.rules import check_alone
 
 
 class FFN(nn.Module):

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from megacpp.model.mamba3 import Mamba3Config
+from megacpp.model.mamba3_config import Mamba3Config
 
 # Local parameter names of one SISO mixer; identical on both sides.
 PARAM_NAMES = (

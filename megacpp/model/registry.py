@@ -1,7 +1,8 @@
 """The block kinds: one table read by the pattern parser, the model, the parameter table and the tests.
 
-A new kind is its module, one entry here and one `ModelConfig` field (docs/architecture.md, "Adding a
-block kind"). The module holds the mixer and its config section: a dataclass deriving from
+A new kind is its mixer module, its config module, one entry here and one `ModelConfig` field
+(docs/architecture.md, "Adding a block kind"). The config module (``<kind>_config.py``, torch-free so that
+reading a configuration loads no torch) holds its config section: a dataclass deriving from
 `megacpp.rules.ConfigSection`, whose ``ranges()`` and ``check(keys)`` (with the model's ``d_model``) both
 the mixer's constructor (`megacpp.rules.check_alone`) and the configuration gate run, the gate only
 when the pattern uses the kind; the entry's ``config_field`` names the ModelConfig field holding it.

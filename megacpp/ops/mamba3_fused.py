@@ -34,20 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.errors import MegacppError
+from megacpp.ops.mamba3_limits import ScanKernel, triton_size_reason
 from megacpp.ops.mamba3_scan import State, _augmented_initial_state, _coefficients, _heads, mamba3_scan
-from megacpp.ops.triton_choice import TRITON_FLOATS, KernelChoice, asks_for_triton, triton_runs_on
+from megacpp.ops.triton_choice import TRITON_FLOATS, asks_for_triton, triton_runs_on
 
 try:
     from megacpp.ops import mamba3_triton
 except ImportError:  # no triton (CPU-only installs): the reference serves every call
     mamba3_triton = None
-
-ScanKernel = KernelChoice
-# The kernels' limits: tl.dot tiles need powers of two >= 16 (smaller sizes are padded with masks), and
-# the register budget of one program bounds the (head_dim, d_state / 2) state halves.
-TRITON_CHUNK_SIZES = (16, 32, 64, 128)
-TRITON_MAX_HEAD_DIM = 128
-TRITON_MAX_D_STATE = 256
 
 
 class ScanKernelError(MegacppError):
@@ -87,19 +81,6 @@ def mamba3_fused_scan_reference(
         x, B, C, adt, dt, lam, D=D, z=z, initial_state=initial_state, doc_ids=doc_ids, chunk_size=chunk_size,
         return_final_state=return_final_state, matmul_dtype=matmul_dtype,
     )
-
-
-def triton_size_reason(head_dim: int, d_state: int, n_angles: int, chunk_size: int) -> str | None:
-    """None when the Triton kernels support these sizes, else why not (also the config gate's rule)."""
-    if d_state % 2 or d_state > TRITON_MAX_D_STATE:
-        return f"d_state must be even and at most {TRITON_MAX_D_STATE}, got {d_state}"
-    if head_dim > TRITON_MAX_HEAD_DIM:
-        return f"head_dim must be at most {TRITON_MAX_HEAD_DIM}, got {head_dim}"
-    if n_angles > d_state // 2:
-        return f"n_angles must be at most d_state / 2 = {d_state // 2}, got {n_angles}"
-    if chunk_size not in TRITON_CHUNK_SIZES:
-        return f"chunk_size must be one of {TRITON_CHUNK_SIZES}, got {chunk_size}"
-    return None
 
 
 def triton_unsupported_reason(

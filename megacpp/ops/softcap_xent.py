@@ -32,17 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.errors import MegacppError
-from megacpp.ops.triton_choice import TRITON_FLOATS, KernelChoice, asks_for_triton, triton_runs_on
+from megacpp.ops.softcap_xent_limits import MAX_CAP, LossKernel
+from megacpp.ops.triton_choice import TRITON_FLOATS, asks_for_triton, triton_runs_on
 
 try:
     from megacpp.ops import softcap_xent_triton
 except ImportError:  # no triton (CPU-only installs): the reference serves every call
     softcap_xent_triton = None
 
-LossKernel = KernelChoice
-# The kernel's largest soft-cap: it sums exp(z - cap) without a running maximum, and its smallest term
-# e^(-2 cap) must stay a normal fp32 number (megacpp/ops/softcap_xent_triton.py).
-MAX_CAP = 40.0
 
 
 class LossKernelError(MegacppError):

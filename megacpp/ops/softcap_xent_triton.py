@@ -3,7 +3,7 @@ the reference): per row of logits u, the soft-capped cross-entropy and its gradi
 
 With z = cap * tanh(u / cap), every z lies in (-cap, cap), so exp(z - cap) needs no running maximum: the
 row sum of exp(z - cap) lies in [e^(-2 cap), V] and lse = cap + log(sum). For cap <= 40 (`MAX_CAP` in
-megacpp/ops/softcap_xent.py) even the smallest term, e^(-2 cap) >= e^-80, is a normal fp32 number
+megacpp/ops/softcap_xent_limits.py) even the smallest term, e^(-2 cap) >= e^-80, is a normal fp32 number
 (2^-126 ~ e^-87.3), so the sum never underflows to zero. One program walks its row twice in blocks: the
 sum, then p = exp(z - lse) and the gradient (p - [v == target]) * (1 - (z / cap)^2), written in the
 logits' dtype over the logits themselves (the loss holds one (n, V) buffer, not two). The second walk

@@ -1,19 +1,16 @@
-"""What the ops with a Triton fast path share: the setting that picks their implementation, and where
-Triton can run.
-
-`auto` takes the Triton path for CUDA tensors the kernels support and the pure-PyTorch reference
-elsewhere; `reference` and `triton` force one (`triton` is an error where the kernels cannot serve the
-call). On CPU, Triton runs only under its interpreter (TRITON_INTERPRET=1 before triton is imported):
-that is how the tests run the kernels without a GPU, and never what `auto` picks there.
+"""What the ops with a Triton fast path share: where Triton can run, for the setting that picks their
+implementation (`megacpp.ops.kernel_choice.KernelChoice`). On CPU, Triton runs only under its
+interpreter (TRITON_INTERPRET=1 before triton is imported): that is how the tests run the kernels
+without a GPU, and never what `auto` picks there.
 """
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 import torch
 
-KernelChoice = Literal["auto", "reference", "triton"]
+from megacpp.ops.kernel_choice import KernelChoice
+
 # Read once at import, like triton itself does: under the interpreter the kernels run on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # The dtypes the kernels load and store.

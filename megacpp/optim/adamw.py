@@ -14,12 +14,8 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-from megacpp.optim.config import OptimConfig
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import local_tensor
-from megacpp.optim.route import Route
-from megacpp.optim.spec import OptimizerSpec
-from megacpp.rules import BELOW_1, NON_NEGATIVE, POSITIVE
 
 
 def adamw_update(
@@ -106,26 +102,3 @@ class AdamW(TensorHParamOptimizer):
         if work:
             self._run(adamw_step, work, not self.compile_step)
         return loss
-
-
-def _adamw_settings(cfg: OptimConfig) -> dict[str, Any]:
-    return dict(lr=cfg.adamw_lr, betas=(cfg.adamw_beta1, cfg.adamw_beta2), eps=cfg.adamw_eps,
-                weight_decay=cfg.adamw_weight_decay)
-
-
-def _adamw_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
-    """Embeddings and heads may have learning rates of their own (None: adamw_lr)."""
-    lr = {"embed": cfg.embed_lr, "head": cfg.head_lr}.get(route.subgroup)
-    return {"lr": cfg.adamw_lr if lr is None else lr,
-            "weight_decay": cfg.adamw_weight_decay if route.decayed else 0.0}
-
-
-def _adamw_state_bytes(route: Route, cfg: OptimConfig) -> int:
-    """exp_avg and exp_avg_sq in the parameter's dtype, and the fp32 step."""
-    return 2 * route.param.numel() * route.param.element_size() + 4
-
-
-ADAMW_SPEC = OptimizerSpec(AdamW, _adamw_settings, _adamw_group_settings, _adamw_state_bytes, ranges={
-    "adamw_lr": NON_NEGATIVE, "embed_lr": NON_NEGATIVE, "head_lr": NON_NEGATIVE,
-    "adamw_beta1": BELOW_1, "adamw_beta2": BELOW_1, "adamw_eps": POSITIVE, "adamw_weight_decay": NON_NEGATIVE,
-})

@@ -25,9 +25,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from megacpp.optim.config import LR_SCALINGS, OptimConfig
+from megacpp.optim.config import LR_SCALINGS
 from megacpp.optim.hparams import TensorHParamOptimizer
 from megacpp.optim.local import is_sharded, local_tensor
+from megacpp.optim.muon_spec import second_moment_shape
 from megacpp.optim.orthogonalize import (
     NORMALIZATIONS,
     QUINTIC,
@@ -35,9 +36,6 @@ from megacpp.optim.orthogonalize import (
     coefficient_schedule,
     orthogonalize,
 )
-from megacpp.optim.route import Route
-from megacpp.optim.spec import OptimizerSpec
-from megacpp.rules import AT_LEAST_1, BELOW_1, NON_NEGATIVE
 
 
 def lr_ratio(shape: Sequence[int], mode: str) -> float:
@@ -49,12 +47,6 @@ def lr_ratio(shape: Sequence[int], mode: str) -> float:
     if mode == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"unknown lr scaling {mode!r}; expected one of {LR_SCALINGS}")
-
-
-def second_moment_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """Factored second moment of a matrix (..., A, B): per row (..., A, 1) when tall, else per column."""
-    *batch, rows, cols = shape
-    return (*batch, rows, 1) if rows > cols else (*batch, 1, cols)
 
 
 class BucketPlan(NamedTuple):
@@ -349,37 +341,6 @@ def torch_muon_compatible(
         momentum_dtype=torch.float32,
         compile_step=compile_step, compile_backend=compile_backend,
     )
-
-
-def _muon_settings(cfg: OptimConfig) -> dict[str, Any]:
-    return dict(
-        lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
-        beta2=cfg.variance_beta2, variance_reduction=cfg.variance_reduction,
-        cautious_weight_decay=cfg.cautious_weight_decay, coefficients=cfg.ns_coefficients, ns_steps=cfg.ns_steps,
-        lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype,
-    )
-
-
-def _muon_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
-    """A Muon route's subgroup is its lr scaling mode, and each mode has its own base lr; fused QKV
-    matrices of one split form groups of their own."""
-    scaling = route.subgroup
-    lr = cfg.muon_lr if scaling == "original" else (cfg.adamw_lr if cfg.muon_rms_lr is None else cfg.muon_rms_lr)
-    return {"lr": lr, "lr_scaling": scaling, "split_sizes": route.hint.qkv_split,
-            "weight_decay": cfg.weight_decay if route.decayed else 0.0}
-
-
-def _muon_state_bytes(route: Route, cfg: OptimConfig) -> int:
-    p = route.param
-    momentum = p.numel() * (2 if cfg.momentum_dtype == "bfloat16" else 4)
-    factored = 4 * math.prod(second_moment_shape(p.shape)) if cfg.variance_reduction else 0
-    return momentum + factored
-
-
-MUON_SPEC = OptimizerSpec(Muon, _muon_settings, _muon_group_settings, _muon_state_bytes, ranges={
-    "muon_lr": NON_NEGATIVE, "muon_rms_lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
-    "muon_momentum": BELOW_1, "variance_beta2": BELOW_1, "ns_steps": AT_LEAST_1,
-})
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

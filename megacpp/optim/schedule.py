@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megacpp.optim.config import DECAY_SHAPES, OptimConfig
-from megacpp.optim.hparams import TensorHParamOptimizer
+
+if TYPE_CHECKING:
+    from megacpp.optim.hparams import TensorHParamOptimizer
 
 
 @dataclass(frozen=True)

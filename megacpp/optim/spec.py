@@ -1,24 +1,30 @@
 """`OptimizerSpec`: what the optimizer stack needs to know to build one optimizer of it.
 
-Each optimizer module defines its spec beside its class; `megacpp.optim.registry` lists them by name.
+Each optimizer's spec is its own torch-free module beside the optimizer's (``muon_spec.py`` beside
+``muon.py``), naming the class by import path: the configuration gate reads the specs' ranges through
+`megacpp.optim.registry`, and reading a configuration (`megacpp config`) loads no torch.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megacpp.optim.config import OptimConfig
-from megacpp.optim.hparams import TensorHParamOptimizer
-from megacpp.optim.route import Route
 from megacpp.rules import Interval
+
+if TYPE_CHECKING:
+    from megacpp.optim.hparams import TensorHParamOptimizer
+    from megacpp.optim.route import Route
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     """How `build_optimizers` builds one optimizer from the routed parameters and the OptimConfig.
 
-    The stack calls ``optimizer(param_groups, **settings(cfg), compile_step=..., compile_backend=...)``.
+    The stack calls ``optimizer(param_groups, **settings(cfg), compile_step=..., compile_backend=...)``,
+    the class ``optimizer_path`` names (``"module:Class"``, imported on first use).
     Every parameter routed to it joins the param group of its ``group_settings(route, cfg)`` (the
     group's lr, weight decay, ...; it must give ``"lr"``, which a block kind's lr factor multiplies):
     routes with equal settings share a group, named after the route (``"<name>:<subgroup>"``, plus
@@ -28,8 +34,13 @@ class OptimizerSpec:
     (megacpp.validate) holds every config to them, as it does a block's section to its ranges.
     """
 
-    optimizer: type[TensorHParamOptimizer]
+    optimizer_path: str
     settings: Callable[[OptimConfig], dict[str, Any]]
     group_settings: Callable[[Route, OptimConfig], dict[str, Any]]
     state_bytes: Callable[[Route, OptimConfig], int]
     ranges: Mapping[str, Interval] = field(default_factory=dict)
+
+    @property
+    def optimizer(self) -> type[TensorHParamOptimizer]:
+        module, _, name = self.optimizer_path.partition(":")
+        return getattr(importlib.import_module(module), name)
