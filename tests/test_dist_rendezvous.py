@@ -187,13 +187,20 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def test_ranks_whose_torchrun_agent_was_killed_stop_saving_the_step_reached(tmp_path, corpus):
+@pytest.mark.parametrize("supervised", [False, True])
+def test_ranks_whose_torchrun_agent_was_killed_stop_saving_the_step_reached(tmp_path, corpus, supervised):
+    """Unsupervised (CPU) the rank sees its parent go; under the auto-fit supervisor (every CUDA run; on
+    CPU through the test hook) the supervisor does and sends its child SIGTERM, which saves."""
     run_dir = tmp_path / "run"
     logs = tmp_path / "torchrun_logs"
     cmd = [*torchrun_args(2, free_port()), f"--log-dir={logs}", LAUNCH,
            *train_args(tmp_path, corpus, **{"train.steps": "500", "train.ckpt_every": "1000",
                                             "train.eval_every": "1000"})]
-    agent = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    env = worker_env()
+    if supervised:  # tests/hooks/sitecustomize.py: the supervisor on CPU; no step goes above micro-batch 1000
+        env["MEGACPP_TEST_OOM_ABOVE"] = "1000"
+        env["PYTHONPATH"] = f"{ROOT / 'tests' / 'hooks'}{os.pathsep}{env['PYTHONPATH']}"
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
         deadline = time.monotonic() + 180

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 from megacpp.config import Config
 from megacpp.distributed.context import torchrun_world
 from megacpp.distributed.join import agent_hosts_store
+from megacpp.distributed.watchdog import LauncherWatch
 from megacpp.train.autofit import attempt as autofit
 from megacpp.train.autofit.attempt import AutoFitError, OomReport, next_micro_batch
 from megacpp.train.autofit.child_output import ChildOutput
@@ -111,6 +112,10 @@ def supervise(cfg: Config, argv: Sequence[str], resume: bool) -> int:
     """Run `megacpp <argv>` (a train command) as supervised attempts; the exit status to leave with."""
     rank, world_size, _ = torchrun_world()
     job = Job(rank, world_size, Path(cfg.train.out_dir))
+    # torchrun's agent killed leaves this supervisor orphaned, and its child (whose parent is still here)
+    # would train on: the watch sends this process SIGTERM, which goes on to the child, which saves.
+    watch = LauncherWatch(rank, "torchrun's agent") if job.distributed and "TORCHELASTIC_RUN_ID" in os.environ \
+        else None
     store = _job_store(job, cfg.dist.init_timeout_s)
     lock = _claim(job, cfg, resume, store)
     try:
@@ -118,6 +123,8 @@ def supervise(cfg: Config, argv: Sequence[str], resume: bool) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if watch is not None:
+            watch.close()
 
 
 def _job_store(job: Job, timeout_s: float) -> Store | None:
@@ -309,10 +316,15 @@ def _end_stragglers(pgid: int) -> None:
 
 
 def _peer_report(store: Store | None, attempt: int) -> OomReport | None:
+    """A peer's out-of-memory report, if any. A store that no longer answers (torchrun's agent, its host,
+    was killed: the launcher watch stops this rank, and its child saves) has none to give."""
     if store is None:
         return None
     key = oom_key(attempt)
-    return OomReport.from_json(store.get(key)) if store.check([key]) else None
+    try:
+        return OomReport.from_json(store.get(key)) if store.check([key]) else None
+    except RuntimeError:  # torch's DistStoreError is one
+        return None
 
 
 def _read_report(path: Path) -> OomReport | None:
