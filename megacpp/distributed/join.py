@@ -30,11 +30,11 @@ class RendezvousError(MegacppError):
     """The ranks of a job cannot meet (a launch mistake or a peer that never came); one line, exit 1."""
 
 
-
 def agent_hosts_store(environ: dict[str, str] | None = None) -> bool:
     """Whether torchrun's agent hosts the job store (it does for the static and c10d rendezvous)."""
     env = os.environ if environ is None else environ
     return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
 
 def _stderr(line: str) -> None:
     print(f"megacpp: {line}", file=sys.stderr, flush=True)
@@ -86,10 +86,25 @@ def meet(store: Store, rank: int, world_size: int, where: str, timeout_s: float,
     failed, joined, done = f"{prefix}/failed", f"{prefix}/count", f"{prefix}/all"
     me = f"rank {rank} of {world_size}"
 
-    def fail(message: str) -> RendezvousError:
-        """Record the first failure for every rank that joined (they stop on it too) and return it."""
-        store.compare_set(failed, "", message)
+    def stop(message: str) -> RendezvousError:
+        """This process stops on ``message``: it says so on the store, then waits (a few polls at most) until
+        every process that announced itself has, so that the one hosting the store does not take it away
+        from a peer that has not read the failure yet (that peer said "lost the job store" instead)."""
+        try:
+            seen = store.add(f"{prefix}/stopped", 1)
+            announced = sum(store.add(f"{prefix}/rank{r}", 0) for r in range(world_size))
+            deadline = time.monotonic() + 3 * POLL_S
+            while seen < announced and time.monotonic() < deadline:
+                time.sleep(0.1)
+                seen = store.add(f"{prefix}/stopped", 0)
+        except RuntimeError:  # the store is gone already: nobody is left to wait for
+            pass
         return RendezvousError(message)
+
+    def fail(message: str) -> RendezvousError:
+        """Record the first failure for every rank that joined (they stop on it too) and stop on it."""
+        store.compare_set(failed, "", message)
+        return stop(message)
 
     if store.add(f"{prefix}/rank{rank}", 1) > 1:
         raise fail(f"RANK={rank} was launched twice at {where}: give each of the {world_size} processes its own "
@@ -116,7 +131,7 @@ def meet(store: Store, rank: int, world_size: int, where: str, timeout_s: float,
             if not store.check([failed]):
                 return
         if store.check([failed]):
-            raise RendezvousError(store.get(failed).decode())
+            raise stop(store.get(failed).decode())
         now = time.monotonic()
         if now - start >= timeout_s:
             raise fail(f"{me}: only {_joined_line(store, prefix, joined, world_size)} within dist.init_timeout_s = "
