@@ -92,7 +92,8 @@ class DataParallel:
 
 @dataclass
 class FullyShardedParallel(DataParallel):
-    """FSDP2: gradients are reduce-scattered inside the backward; ShardedMuon steps the shards exactly."""
+    """FSDP2 (fsdp, hsdp): gradients are reduce-scattered inside the backward; ShardedMuon steps the shards
+    exactly."""
 
 
 @dataclass
@@ -154,9 +155,11 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         shard_experts(model, dist_cfg, ctx)  # refuses dist.expert_parallel > 1 on one process
         return DataParallel(compile_model(model, compile_cfg))
     # The layout's settings agree before any rank builds a group from them: a rank that disagreed would
-    # wait in the mesh's setup for the whole init timeout.
+    # wait in the mesh's setup for the whole init timeout. hsdp's shard size also as resolved (hosts
+    # with other GPU counts differ there); the other strategies ignore it.
     blocks = [m.cfg.n_experts for _, m in expert_blocks(model)]
-    check_parity(ctx, {"strategy": dist_cfg.strategy, "shard_size": [dist_cfg.shard_size, shard_group_size(dist_cfg)],
+    shards = shard_group_size(dist_cfg) if dist_cfg.strategy == "hsdp" else None
+    check_parity(ctx, {"strategy": dist_cfg.strategy, "shard_size": [dist_cfg.shard_size, shards],
                        "expert_parallel": [dist_cfg.expert_parallel, blocks]},
                  "before the data-parallel layout")
     if dist_cfg.strategy == "hsdp":
@@ -176,7 +179,6 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx.mesh, ignored=local), "fsdp",
                                     why, {"muon": ShardedMuon}, experts=experts)
     if strategy == "hsdp":
-        shards = shard_group_size(dist_cfg)
         mesh = grid_mesh(ctx, shards, ("replicas", "shards"))
         return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, mesh), "hsdp",
                                     f"{hsdp_layout(ctx.world_size, shards)}, {why}", {"muon": ShardedMuon})
