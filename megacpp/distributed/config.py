@@ -13,8 +13,13 @@ class DistConfig(ConfigSection):
     # every rank and reduces gradients once per optimizer step, with the optimizer step sharded by
     # parameter ownership; "fsdp" shards weights, gradients and optimizer state with FSDP2 (gathers
     # each block's weights in the forward and backward); "auto" replicates when the model, its
-    # gradients and its share of the optimizer state fit the card with room for activations.
-    strategy: Literal["auto", "replicate", "fsdp"] = "auto"
+    # gradients and its share of the optimizer state fit the card with room for activations; "hsdp"
+    # shards like fsdp within each group of `shard_size` consecutive ranks and replicates across the
+    # groups (for several hosts: all-gathers stay on a host's links; auto never picks it).
+    strategy: Literal["auto", "replicate", "fsdp", "hsdp"] = "auto"
+    # hsdp: ranks per shard group; it must divide the number of ranks. 0: the ranks of one host
+    # (torchrun's LOCAL_WORLD_SIZE). Equal to the number of ranks, hsdp is fsdp's layout.
+    shard_size: int = 0
     # Ranks each E block's routed experts are split over (megacpp.distributed.expert_parallel): it must
     # divide the number of ranks and model.moe.n_experts; tokens travel to their experts' rank and back
     # by all-to-all (dropless). 1: every rank holds every expert. Runs with strategy replicate for the rest.
@@ -41,5 +46,6 @@ class DistConfig(ConfigSection):
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
-        return {"expert_parallel": AT_LEAST_1, "init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
+        return {"expert_parallel": AT_LEAST_1, "shard_size": NON_NEGATIVE,  # 0 = one host's ranks
+                "init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
                 "fingerprint_every": NON_NEGATIVE}  # 0 = only at checkpoints

@@ -1,10 +1,11 @@
 """The process group of a torchrun job, and the collectives the trainer needs, as one object.
 
 `DistContext` is what the trainer holds: rank, world size, this rank's device and the 1-D
-data-parallel mesh. On one process every collective is a no-op, so training code has no branches on
-the world size. Under torchrun (WORLD_SIZE > 1) the group is created from torchrun's environment:
-`cuda:nccl,cpu:gloo` on GPUs (NCCL for tensors, gloo for the CPU objects of the parity checks), gloo
-on CPU, with `device_id` passed so that NCCL's first barrier does not hang guessing the device.
+data-parallel mesh (`grid_mesh` lays the ranks out in 2-D for expert parallelism and hsdp). On one
+process every collective is a no-op, so training code has no branches on the world size. Under
+torchrun (WORLD_SIZE > 1) the group is created from torchrun's environment: `cuda:nccl,cpu:gloo` on
+GPUs (NCCL for tensors, gloo for the CPU objects of the parity checks), gloo on CPU, with `device_id`
+passed so that NCCL's first barrier does not hang guessing the device.
 Nothing here assumes one host: ranks are global, devices come from LOCAL_RANK.
 """
 from __future__ import annotations
@@ -140,6 +141,21 @@ def _store_barrier(store: Store, key: str, rank: int, world_size: int, timeout_s
         store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError):
         pass
+
+
+def grid_mesh(ctx: DistContext, inner: int, names: tuple[str, str]) -> Any:
+    """The job's ranks as a 2-D DeviceMesh of shape (W / inner, inner), dimensions named ``names``: rank r
+    sits at (r // inner, r % inner), so a group of the inner dimension is ``inner`` consecutive ranks (one
+    host's GPUs under torchrun, where its collectives run over NVLink). Every rank must call it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world_size // inner, inner), mesh_dim_names=names)
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """The processes torchrun started on this host (LOCAL_WORLD_SIZE); 1 outside torchrun."""
+    env = os.environ if environ is None else environ
+    return int(env.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def torchrun_world(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:

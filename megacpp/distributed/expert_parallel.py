@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.distributed.config import DistConfig
-from megacpp.distributed.context import DistContext, DistError
+from megacpp.distributed.context import DistContext, DistError, grid_mesh
 from megacpp.model.hints import canonical_name
 from megacpp.model.moe import MoE, batched_experts, expert_order, permute_rows
 from megacpp.optim.local import full_value
@@ -249,9 +249,7 @@ def shard_experts(model: nn.Module, cfg: DistConfig, ctx: DistContext) -> Expert
     if degree == 1:
         return None
     check_expert_parallel(model, cfg, ctx)  # one process: P does not divide its 1 rank
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // degree, degree), mesh_dim_names=("replicas", "experts"))
+    mesh = grid_mesh(ctx, degree, ("replicas", "experts"))
     j = ctx.rank % degree
     params: dict[str, nn.Parameter] = {}
     first = 0

@@ -16,6 +16,11 @@ matrix's per-row second moment is row-sharded like the matrix and travels with t
 column); a wide matrix's per-column second moment is replicated, updated by the owner and sent back
 to every rank (one extra row). The arithmetic is the single-device arithmetic on the same values, so
 on CPU the update is bit-identical to `Muon`'s (tests/test_dist_muon.py).
+
+Under hsdp a parameter lives on a 2-D (replicas, shards) mesh with placements (Replicate(), Shard(0)):
+every replica holds the same rows and, after FSDP2's all-reduce across replicas, the same gradients, so
+each replica runs the exchange above within its own shard group (the mesh dimension of the Shard(0)
+placement) and all replicas compute the same update. Replicated mesh dimensions never need a collective.
 """
 from __future__ import annotations
 
@@ -80,34 +85,41 @@ def from_owners(whole: Tensor, n: int, rows: list[int], rank: int, tail: Tensor 
     return out
 
 
-class ShardedMuon(Muon):
-    """`Muon` for FSDP2-sharded parameters (see the module docstring); same arguments, plus the
-    process group to exchange rows in (default: the default group)."""
+def shard_dim(p: Tensor) -> int | None:
+    """The mesh dimension a DTensor's rows are split over (its Shard(0) placement); None when none is."""
+    return next((d for d, pl in enumerate(p.placements) if pl.is_shard(0)), None) if is_sharded(p) else None
 
-    def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
-        self.process_group = group
-        super().__init__(*args, **kwargs)
+
+class ShardedMuon(Muon):
+    """`Muon` for FSDP2-sharded parameters, on a 1-D (shards) or 2-D (replicas, shards) mesh (see the
+    module docstring); same arguments."""
 
     def _check_layout(self, p: Tensor) -> None:
-        if is_sharded(p) and any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
-            raise ValueError(f"ShardedMuon needs dim-0 shards; got {p.placements} for {tuple(p.shape)}")
+        if not is_sharded(p):
+            return
+        shards = [pl for pl in p.placements if pl.is_shard()]
+        if len(shards) > 1 or any(pl.dim != 0 for pl in shards):
+            raise ValueError(f"ShardedMuon needs dim-0 shards over one mesh dimension; got {p.placements} for "
+                             f"{tuple(p.shape)}")
 
     def _new_second_moment(self, p: Tensor) -> Tensor:
         if not is_sharded(p):
             return super()._new_second_moment(p)
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Replicate
 
         shape = second_moment_shape(p.shape)
         per_column_2d = p.ndim == 2 and shape[0] == 1  # one row for all of the matrix's rows
-        placement = Replicate() if per_column_2d else Shard(0)
+        # Split by rows like p (a per-row moment travels with its rows), or whole on every rank.
+        placements = [Replicate() if per_column_2d else pl for pl in p.placements]
         local_rows = shape[0] if per_column_2d else p.to_local().shape[0]
         local = torch.zeros((local_rows, *shape[1:]), dtype=torch.float32, device=p.device)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, p.device_mesh, [placement], run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def _row_sharded(self, bucket: Bucket) -> bool:
         p = bucket.params[0]
-        return is_sharded(p) and p.ndim == 2 and p.device_mesh.size() > 1 and p.placements[0].is_shard(0)
+        dim = shard_dim(p)
+        return p.ndim == 2 and dim is not None and p.device_mesh.size(dim) > 1
 
     def step_buckets(self, buckets: list[Bucket]) -> None:
         """Stacked parameters (whole matrices on each rank) as on one device; row-sharded ones through
@@ -120,8 +132,8 @@ class ShardedMuon(Muon):
     def _step_row_sharded(self, bucket: Bucket) -> None:
         params, grads, buffers, second_moments, lr, weight_decay, momentum, beta2, grad_scale = self.bucket_work(bucket)
         plan = bucket.plan
-        mesh = bucket.params[0].device_mesh
-        rank, world = mesh.get_local_rank(), mesh.size()
+        mesh, dim = bucket.params[0].device_mesh, shard_dim(bucket.params[0])
+        rank, world, group = mesh.get_local_rank(dim), mesh.size(dim), mesh.get_group(dim)
         n, (total_rows, cols) = len(params), bucket.params[0].shape
         rows = shard_rows(total_rows, world)
         tall_vr = plan.variance_reduction and total_rows > cols
@@ -129,7 +141,7 @@ class ShardedMuon(Muon):
 
         update = self._run(momentum_update, grads, buffers, momentum, plan.nesterov, grad_scale)
         payload = torch.cat([update, torch.stack(second_moments)], dim=-1) if tall_vr else update
-        whole = to_owners(payload.contiguous(), rows, rank, self.process_group)
+        whole = to_owners(payload.contiguous(), rows, rank, group)
         mine = list(owned(n, rank, world))
         if tall_vr:
             moments = list(whole[..., cols:].unbind(0))  # views: updated in place, sent back with the rows
@@ -147,7 +159,7 @@ class ShardedMuon(Muon):
             back, tail = ortho, (torch.stack(moments) if mine else ortho.new_empty(0, 1, cols))
         else:
             back, tail = ortho, None
-        local = from_owners(back, n, rows, rank, tail, self.process_group)
+        local = from_owners(back, n, rows, rank, tail, group)
         if tall_vr:
             torch._foreach_copy_(second_moments, list(local[..., cols:].unbind(0)))
         elif wide_vr:

@@ -6,8 +6,13 @@
 - ``fsdp`` (megacpp.distributed.parallelize): FSDP2 shards weights, gradients and optimizer state;
   each block's weights are gathered for its forward and backward. For models whose training state
   does not fit one card (`nam52`).
+- ``hsdp``: the same FSDP2 over a 2-D (replicas, shards) mesh: each group of ``dist.shard_size``
+  consecutive ranks (default: one host's) shards the model as fsdp does, and the groups replicate each
+  other (gradients reduce-scattered within a group, then all-reduced across the groups). For several
+  hosts: the per-block all-gathers stay on a host's links and only the gradient shards cross hosts.
 - ``auto``: replicate when the weights, gradients, reduction buffers and this rank's share of the
-  optimizer state take at most `REPLICATE_SHARE` of the card, leaving the rest to activations.
+  optimizer state take at most `REPLICATE_SHARE` of the card, leaving the rest to activations; else
+  fsdp. Never hsdp: one host has nothing to replicate across, and auto cannot know the hosts' links.
 
 The Trainer holds one `DataParallel` and calls its hooks at fixed points of a step; on one process
 they do nothing, so the loop has no branch per strategy.
@@ -23,12 +28,13 @@ from torch import Tensor, nn
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.regions import CompiledModel, compile_model
 from megacpp.distributed.config import DistConfig
-from megacpp.distributed.context import DistContext
+from megacpp.distributed.context import DistContext, DistError, grid_mesh, local_world_size
 from megacpp.distributed.expert_parallel import ExpertParallel, expert_blocks, shard_experts
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.distributed.parity import check_parity
 from megacpp.distributed.replicate import Replication, optimizer_work, replicate
+from megacpp.optim.clip import find_attention_modules
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
 # at B16 x T2048 they peak near 20 GiB of an 80 GB card) and the allocator's fragmentation.
@@ -86,7 +92,8 @@ class DataParallel:
 
 @dataclass
 class FullyShardedParallel(DataParallel):
-    """FSDP2: gradients are reduce-scattered inside the backward; ShardedMuon steps the shards exactly."""
+    """FSDP2 (fsdp, hsdp): gradients are reduce-scattered inside the backward; ShardedMuon steps the shards
+    exactly."""
 
 
 @dataclass
@@ -148,10 +155,15 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         shard_experts(model, dist_cfg, ctx)  # refuses dist.expert_parallel > 1 on one process
         return DataParallel(compile_model(model, compile_cfg))
     # The layout's settings agree before any rank builds a group from them: a rank that disagreed would
-    # wait in the mesh's setup for the whole init timeout.
+    # wait in the mesh's setup for the whole init timeout. hsdp's shard size also as resolved (hosts
+    # with other GPU counts differ there); the other strategies ignore it.
     blocks = [m.cfg.n_experts for _, m in expert_blocks(model)]
-    check_parity(ctx, {"expert_parallel": [dist_cfg.expert_parallel, blocks]},
-                 "before expert parallelism")
+    shards = shard_group_size(dist_cfg) if dist_cfg.strategy == "hsdp" else None
+    check_parity(ctx, {"strategy": dist_cfg.strategy, "shard_size": [dist_cfg.shard_size, shards],
+                       "expert_parallel": [dist_cfg.expert_parallel, blocks]},
+                 "before the data-parallel layout")
+    if dist_cfg.strategy == "hsdp":
+        check_hsdp(dist_cfg, ctx, model)
     # Before compile, so that the E blocks' graphs trace the exchange; before the choice, which sizes
     # what this rank holds.
     experts = shard_experts(model, dist_cfg, ctx)
@@ -164,13 +176,46 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
                                         state_bytes() if dist_cfg.strategy == "auto" else 0, ctx)
     local = set(experts.params.values()) if experts is not None else set()
     if strategy == "fsdp":
-        return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx, ignored=local), "fsdp", why,
-                                    {"muon": ShardedMuon}, experts=experts)
+        return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, ctx.mesh, ignored=local), "fsdp",
+                                    why, {"muon": ShardedMuon}, experts=experts)
+    if strategy == "hsdp":
+        mesh = grid_mesh(ctx, shards, ("replicas", "shards"))
+        return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, mesh), "hsdp",
+                                    f"{hsdp_layout(ctx.world_size, shards)}, {why}", {"muon": ShardedMuon})
     compiled = compile_model(model, compile_cfg)
     hinted = _orthogonalized(model)
     replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p in hinted, ns_steps),
                             local=lambda p: p in local)
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
+
+
+def shard_group_size(cfg: DistConfig) -> int:
+    """Ranks per hsdp shard group: ``dist.shard_size``, or for 0 the ranks torchrun started on this host."""
+    return cfg.shard_size or local_world_size()
+
+
+def hsdp_layout(world_size: int, shards: int) -> str:
+    """The mesh in words, e.g. "2 replicas x 4 shards"."""
+    replicas = world_size // shards
+    text = f"{replicas} replica{'s' if replicas > 1 else ''} x {shards} shard{'s' if shards > 1 else ''}"
+    return text + (": fsdp's layout" if replicas == 1 else "")
+
+
+def check_hsdp(cfg: DistConfig, ctx: DistContext, model: nn.Module) -> None:
+    """hsdp's settings, as one line naming the key: the shard groups tile the ranks; no expert parallelism;
+    no QK-clip in weight mode (its row scaling of sharded weights, megacpp.optim.local.row_range, finds a
+    rank's rows on a 1-D mesh only)."""
+    shards = shard_group_size(cfg)
+    if ctx.world_size % shards:
+        source = "" if cfg.shard_size else f" (0: this host's {shards} rank(s), torchrun's LOCAL_WORLD_SIZE)"
+        raise DistError(f"dist.shard_size = {cfg.shard_size}{source} does not divide the {ctx.world_size} rank(s) "
+                        "of this job: hsdp's shard groups must tile the ranks (set dist.shard_size to a divisor)")
+    if cfg.expert_parallel > 1:
+        raise DistError(f"dist.strategy = hsdp with dist.expert_parallel = {cfg.expert_parallel}: expert parallelism "
+                        "runs beside replicate or fsdp only (set dist.strategy to one of them)")
+    if any(getattr(m, "qk_clip", "off") == "weight" for m in find_attention_modules(model)):
+        raise DistError("dist.strategy = hsdp with model.attention.qk_clip = 'weight': QK-clip's row scaling of "
+                        "sharded weights runs under replicate or fsdp only (or use qk_clip 'activation')")
 
 
 def _orthogonalized(model: nn.Module) -> set[nn.Parameter]:

@@ -13,6 +13,7 @@ without it (tested).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from array import array
 from collections import Counter
@@ -51,6 +52,17 @@ class PartGradNorms:
         # Expert parallelism: each rank holds other experts' rows, whose squares add over the expert group.
         self.experts = experts
         self.is_expert = torch.tensor([experts is not None and experts.holds(p) for p in self.params], device=device)
+        # Sharded gradients' squares are summed over every rank: a row held by several ranks (an expert's
+        # replicas beside fsdp, a shard's replicas under hsdp) is counted once by dividing by its copies.
+        self.copies = torch.tensor([self._copies(p) for p in self.params], dtype=torch.float32, device=device)
+
+    def _copies(self, p: Tensor) -> int:
+        """Ranks holding the same rows of ``p`` (those of a sharded DTensor's replicated mesh dimensions)."""
+        if self.experts is not None and self.experts.holds(p):
+            return self.experts.replicas
+        if not is_sharded(p):
+            return 1
+        return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if pl.is_replicate())
 
     def measure(self) -> tuple[dict[str, Tensor], Tensor]:
         """``({"grad_norm_<part>": 0-d tensor}, per-block norms as a 1-d tensor)``; a part or a block
@@ -59,9 +71,8 @@ class PartGradNorms:
         norms = iter(torch._foreach_norm(grads)) if grads else iter(())
         squares = torch.stack([next(norms).float() if p.grad is not None else self.zero
                                for p in self.params]).square()
-        if self.experts is not None and self.sharded:
-            # Summed over every rank below: each expert row is held by its replicas, count it once.
-            squares = torch.where(self.is_expert, squares / self.experts.replicas, squares)
+        if self.sharded:
+            squares = squares / self.copies  # summed over every rank below
         elif self.experts is not None:
             squares = self.experts.square_sums(squares, self.is_expert)
         totals = torch.stack([squares.index_select(0, index).sum() for index in self.part_index + self.block_index])

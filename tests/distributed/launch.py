@@ -18,6 +18,7 @@ Faults (RANK is the global rank that misbehaves; STEP the training step it does 
   drift@R:S         after step S, rank R's first MoE selection bias moves by 1e-3
   graph_break@R     rank R's FFN forward has a graph break
   expert_parallel@R rank R starts with dist.expert_parallel 1 (the others as given)
+  strategy@R        rank R starts with dist.strategy fsdp (the others as given)
   router_nan@R:S    rank R's MoE router scores turn NaN from step S on
   skew@R            rank R's MoE selection biases start at +100 on the first half of the experts, so
                     every token is routed there (give it to every rank, and to a single process, alike)
@@ -50,6 +51,8 @@ def install(kind: str, step: int, args: list[str]) -> list[str]:
         return [*args, "--optim.muon_lr", "0.021"]
     if kind == "expert_parallel":
         return [*args, "--dist.expert_parallel", "1"]
+    if kind == "strategy":
+        return [*args, "--dist.strategy", "fsdp"]
     if kind == "router_nan":
         from megacpp.model.moe import MoE
 

@@ -5,13 +5,15 @@ copies and a ShardedMuon on DTensor shards, and requires the gathered parameters
 states to be bitwise equal after each step. Shapes cover tall, wide and square matrices, a split-QKV
 matrix, row counts that do not divide by the world size, fewer matrices of a shape than ranks,
 fewer rows than ranks, and stacked (E, A, B) parameters with E not divisible by the world size.
+With ``--replicas R`` the parameters live on a 2-D (replicas, shards) mesh of shape (R, W / R) with
+placements (Replicate(), Shard(0)), as under hsdp: each replica's shard group exchanges rows on its own.
 
 On a GPU (``--device cuda``, NCCL) cuBLAS may pick other kernels for the owner's smaller batches, so
 the comparison reports the largest difference relative to the parameters' scale and checks it against
 ``--tolerance`` instead of requiring equality.
 
 Usage: torchrun --nproc-per-node=N tests/distributed/muon_parity.py [--compile-backend aot_eager]
-       [--device cuda --tolerance 1e-6]
+       [--device cuda --tolerance 1e-6] [--replicas R]
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.optim import Muon
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--compile-backend", default="")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tolerance", type=float, default=0.0)
+    parser.add_argument("--replicas", type=int, default=1)
     args = parser.parse_args()
     if args.device == "cuda":
         local = int(os.environ["LOCAL_RANK"])
@@ -63,7 +66,12 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo")
-    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    if args.replicas > 1:
+        mesh = init_device_mesh(args.device, (args.replicas, dist.get_world_size() // args.replicas))
+        placements = [Replicate(), Shard(0)]
+    else:
+        mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+        placements = [Shard(0)]
     worst = 0.0
 
     def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -79,7 +87,7 @@ def main() -> None:
     if args.compile_backend:
         kwargs.update(compile_step=True, compile_backend=args.compile_backend)
     reference = Muon(build(lambda t: nn.Parameter(t.clone())), **kwargs)
-    sharded = ShardedMuon(build(lambda t: nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)]))),
+    sharded = ShardedMuon(build(lambda t: nn.Parameter(distribute_tensor(t.clone(), mesh, placements))),
                           **kwargs)
     ref_params = [p for g in reference.param_groups for p in g["params"]]
     shard_params = [p for g in sharded.param_groups for p in g["params"]]
@@ -91,7 +99,7 @@ def main() -> None:
         for p, q in zip(ref_params, shard_params, strict=True):
             g = torch.randn(p.shape, generator=gen) * (1 + step)
             p.grad = g
-            q.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            q.grad = distribute_tensor(g.clone(), mesh, placements)
         lr = 0.03 / (1 + step)  # the schedule moves lr: a compiled step must not recompile for it
         for opt in (reference, sharded):
             for group in opt.param_groups:

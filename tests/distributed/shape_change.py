@@ -35,7 +35,7 @@ def main() -> None:
     cfg.model.moe.expert_hidden, cfg.model.ffn.hidden, cfg.model.depth = 16, 32, 5
     torch.manual_seed(0)
     model = HybridLM(cfg.model)
-    compiled = fully_shard_model(model, compile_cfg, DistConfig(), ctx)
+    compiled = fully_shard_model(model, compile_cfg, DistConfig(), ctx.mesh)
     step(model, 2, 16)
     compiled.end_warmup()
     with forbid_recompiles():
