@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from megacpp.model.engram import Engram, NgramHashEmbedding
 from megacpp.model.hybrid import HybridLM
-from megacpp.model.prefill import prefill, prefill_by_steps
+from megacpp.model.prefill import module_prefill, prefill_by_steps
 from megacpp.model.registry import BLOCK_KINDS
 from megacpp.runtime.generate import generate_tokens
 from tests.helpers import assert_close_scaled
@@ -92,7 +92,7 @@ def assert_same_caches(actual, expected, tol: float) -> None:
 def prefill_then_steps(module: nn.Module, x: Tensor, prompt: int, cache_len: int) -> tuple[Tensor, object, object]:
     """Outputs of the prompt's prefill and the later steps, the cache after the prompt, the cache at the end."""
     cache = module.init_cache(x.shape[0], cache_len, x.device, x.dtype)
-    head = prefill(module, x[:, :prompt], cache)
+    head = module_prefill(module, x[:, :prompt], cache)
     after_prompt = {name: t.clone() for name, t in entries(cache)}
     tail = step_by_step(module, x[:, prompt:], cache)
     return torch.cat([head, tail], dim=1), after_prompt, cache
@@ -321,7 +321,7 @@ def test_tier1_a_mixer_without_prefill_steps_through_the_prompt():
     x = _inputs(2, 9, seed=2)
     with torch.no_grad():
         cache, ref_cache = (module.init_cache(2, 9, "cpu", x.dtype) for _ in range(2))
-        y = prefill(module, x, cache)
+        y = module_prefill(module, x, cache)
         y_ref = step_by_step(module, x, ref_cache)
     assert torch.equal(y, y_ref)
     assert torch.equal(prefill_by_steps(module, x, module.init_cache(2, 9, "cpu", x.dtype)), y_ref)

@@ -19,7 +19,7 @@ def prefill_by_steps(module: nn.Module, x: Tensor, cache: Any) -> Tensor:
     return torch.cat([module.forward_step(x[:, i : i + 1], cache) for i in range(x.shape[1])], dim=1)
 
 
-def prefill(module: nn.Module, x: Tensor, cache: Any) -> Tensor:
+def module_prefill(module: nn.Module, x: Tensor, cache: Any) -> Tensor:
     """The prompt x (b, t, ...) through `module` into its fresh `cache`: its own ``prefill`` when it has
     one (an optional hook, asked for by name like the registry's others), else `prefill_by_steps`."""
     own = getattr(module, "prefill", None)
