@@ -186,6 +186,9 @@ class ScriptedModel(torch.nn.Module):
         logits[0, 0, self.next_of.get(int(x), 0)] = 1.0
         return logits
 
+    def prefill(self, tokens: torch.Tensor, cache: None) -> torch.Tensor:
+        return self.forward_step(tokens[:, -1:], cache)
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):

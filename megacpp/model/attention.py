@@ -169,6 +169,25 @@ class Attention(nn.Module):
         cache["pos"].add_(1)
         return self.proj(y.transpose(1, 2).reshape(b, 1, -1).to(q.dtype)).to(x.dtype)
 
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The prompt x (b, t, d) into a fresh cache (`init_cache`'s, at least t long) in one causal pass:
+        k/v written to slots 0..t-1 as `forward_step` writes them, pos advanced by t. Positions read the
+        cache's RoPE tables, so a prompt may be longer than max_seq_len. The activation QK-clip scales each
+        query by its bound against the keys up to it, as decoding does (the training forward's bound spans
+        the whole sequence, so there the two differ; docs/blocks_attention_engram.md)."""
+        b, t, _ = x.shape
+        if t > cache["k"].shape[2]:
+            raise ValueError(f"prefill: a prompt of {t} tokens does not fit a cache of {cache['k'].shape[2]}")
+        q, k, v = self._project(x, torch.arange(t, device=x.device)[None], cache["rope_cos"], cache["rope_sin"])
+        cache["k"][:, :, :t].copy_(k)
+        cache["v"][:, :, :t].copy_(v)
+        cache["pos"].add_(t)
+        if self.cfg.qk_clip == "activation":
+            q = q * self._causal_clip_factor(q, k).to(q.dtype)
+        segments = segments_of(None, t, x.device, self.attention_mask_kind(x.device, has_documents=False))
+        y = attend(q, k, v, segments, self.cfg.softcap)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1)).to(x.dtype)
+
     def _project(self, x: Tensor, positions: Tensor, rope_cos: Tensor, rope_sin: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """q (b, H, t, hd), k and v (b, Hkv, t, hd); QK-norm before RoPE, rotated by the tables' rows at
@@ -195,6 +214,13 @@ class Attention(nn.Module):
         """(b, H, 1, 1) detached min(1, tau / bound), each row by its own bound; a zero bound gives inf,
         clamped to 1."""
         return (self.cfg.qk_clip_tau / row_bounds).clamp(max=1.0).detach()[:, :, None, None]
+
+    def _causal_clip_factor(self, q: Tensor, k: Tensor) -> Tensor:
+        """(b, H, t, 1) detached min(1, tau / bound), query t's bound |q_t| * max_{s <= t} |k_s| / sqrt(hd):
+        what `forward_step` computes for each query against the keys cached so far."""
+        k_max = k.float().norm(dim=-1).cummax(dim=2).values.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        bounds = q.float().norm(dim=-1) * k_max * self.head_dim**-0.5
+        return (self.cfg.qk_clip_tau / bounds).clamp(max=1.0).detach()[..., None]
 
     def _record_and_clip(self, q: Tensor, k: Tensor) -> Tensor:
         rows = self._row_bounds(q, k)

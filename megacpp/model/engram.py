@@ -68,7 +68,9 @@ class Engram(nn.Module):
         nn.init.zeros_(self.out.weight)
 
     def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
-        h = self.down(x)
+        return self._over_sequence(x, self.down(x), segments)
+
+    def _over_sequence(self, x: Tensor, h: Tensor, segments: Segments) -> Tensor:
         pos = segments.document_positions(x.shape[1], x.device)[..., None]
         lagged = [(_shift(h, lag, 0.0), pos >= lag) for lag in range(1, max(WINDOWS))]
         return self._combine(x, h, _window_means(h, lagged))
@@ -91,6 +93,15 @@ class Engram(nn.Module):
         history.copy_(torch.cat([history[:, 1:], h.to(history.dtype)], dim=1))
         n_valid.copy_((n_valid + 1).clamp(max=span))
         return y
+
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The prompt x (b, t, d) into a fresh cache: its forward, and the prompt's last bottleneck
+        vectors as the history (behind the cache's zeros when t is shorter than the history)."""
+        history, n_valid = cache["history"], cache["n_valid"]
+        h = self.down(x)
+        history.copy_(torch.cat([history, h.to(history.dtype)], dim=1)[:, x.shape[1]:])
+        n_valid.copy_((n_valid + x.shape[1]).clamp(max=history.shape[1]))
+        return self._over_sequence(x, h, WHOLE_ROWS)
 
     def _combine(self, x: Tensor, h: Tensor, means: Tensor) -> Tensor:
         mixed = (self.mix.float()[:, None, None, :] * means).sum(dim=0)
@@ -171,6 +182,13 @@ class NgramHashEmbedding(nn.Module):
         window = torch.cat([cache["previous"], tokens.long()], dim=1)
         cache["previous"].copy_(window[:, 1:])
         return self.proj(self.embed(self._rows(window[:, None])).sum(dim=2))
+
+    def prefill(self, tokens: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The prompt tokens (b, t) into a fresh cache: its forward, and its last max_order-1 ids as the
+        previous ones ("none" ids before the first, as the steps leave them)."""
+        previous = cache["previous"]
+        previous.copy_(torch.cat([previous, tokens.long()], dim=1)[:, tokens.shape[1]:])
+        return self.forward(tokens)
 
     def _rows(self, window: Tensor) -> Tensor:
         """window (b, t, max_order) token ids, oldest first -> (b, t, n_tables) table rows."""

@@ -45,3 +45,7 @@ class FFN(nn.Module):
 
     def forward_step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
         return self.forward(x)
+
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """Stateless: the prompt's forward."""
+        return self.forward(x)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from megacpp.model.config import ModelConfig
 from megacpp.model.engram import Engram, NgramHashEmbedding
 from megacpp.model.pattern import expand_pattern
+from megacpp.model.prefill import module_prefill
 from megacpp.model.registry import BLOCK_KINDS
 from megacpp.model.segments import WHOLE_ROWS, MaskKind, Segments, segments_of
 from megacpp.ops.softcap_xent import linear_softcap_cross_entropy, softcap
@@ -54,6 +55,14 @@ class Block(nn.Module):
         out = x + self.mixer.forward_step(h, cache["mixer"])
         if self.engram is not None:
             out = out + self.engram.forward_step(h, cache["engram"])
+        return out
+
+    def prefill(self, x: Tensor, cache: dict) -> Tensor:
+        """The prompt x (b, t, d) through the sublayer, its fresh caches filled as t `forward_step` calls fill them."""
+        h = self.norm(x)
+        out = x + module_prefill(self.mixer, h, cache["mixer"])
+        if self.engram is not None:
+            out = out + module_prefill(self.engram, h, cache["engram"])
         return out
 
 
@@ -202,3 +211,15 @@ class HybridLM(nn.Module):
         for block, block_cache in zip(self.blocks, cache["blocks"], strict=True):
             x = block.forward_step(x, block_cache)
         return self.logits(x)
+
+    def prefill(self, tokens: Tensor, cache: dict[str, Any]) -> Tensor:
+        """Read a prompt into a fresh cache in one pass per block: tokens (b, t) -> the last position's
+        logits (b, 1, V). The caches end as t calls of `forward_step` leave them (up to floating point:
+        the scans' parallel forms sum in another order); a block kind without a ``prefill`` of its own
+        steps through the prompt (`megacpp.model.prefill.module_prefill`)."""
+        x = self.tok_embed(tokens)
+        if self.ngram_embed is not None:
+            x = x + self.ngram_embed.prefill(tokens, cache["ngram"])
+        for block, block_cache in zip(self.blocks, cache["blocks"], strict=True):
+            x = block.prefill(x, block_cache)
+        return self.logits(x[:, -1:])

@@ -85,6 +85,15 @@ class M2RNN(nn.Module):
         y = m2rnn_scan(q, k, v.to(q.dtype), f, self.W, doc_ids=segments.doc_ids)
         return self._output(x, y)
 
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The prompt x (b, t, d) into a fresh cache in one pass: the forward's scan, whose last state is
+        the cache's (on CUDA in the fast mode the kernels' fp32 last state; the states they keep for a
+        backward are fp16, the last one is not)."""
+        q, k, v, f = self._project(x)
+        y, last = m2rnn_scan(q, k, v.to(q.dtype), f, self.W, return_final_state=True)
+        cache["h"].copy_(last)
+        return self._output(x, y)
+
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> dict[str, Tensor]:
         """The state is kept in at least fp32 whatever the activation dtype: it accumulates."""
         cfg = self.cfg

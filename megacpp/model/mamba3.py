@@ -17,7 +17,7 @@ from megacpp.model.mamba3_config import Mamba3Config, num_rope_angles
 from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.ops.mamba3_angles import document_angles, document_angles_reference
 from megacpp.ops.mamba3_fused import biased_heads, mamba3_fused_scan, rotate_pairs
-from megacpp.ops.mamba3_scan import mamba3_step
+from megacpp.ops.mamba3_scan import State, mamba3_step
 from megacpp.rules import (
     check_alone,
 )
@@ -79,12 +79,27 @@ class Mamba3(nn.Module):
 
     def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         proj = self._project(x, segments.start_offsets)
+        return self.out_proj(self._scan(proj, segments.doc_ids).flatten(2))
+
+    def _scan(self, proj: _Projected, doc_ids: Tensor | None, return_final_state: bool = False
+              ) -> Tensor | tuple[Tensor, State]:
+        """The fused scan over the projection, with this layer's settings (kernel, chunk, matmul dtype)."""
         matmul_dtype = proj.x.dtype if self.cfg.scan_matmuls == "activation" else None
-        y = mamba3_fused_scan(
+        return mamba3_fused_scan(
             proj.x, proj.z, proj.B, proj.C, self.B_bias, self.C_bias, proj.angles, proj.adt, proj.dt, proj.lam, self.D,
-            doc_ids=segments.doc_ids, chunk_size=self.cfg.chunk_size, matmul_dtype=matmul_dtype,
-            kernel=self.cfg.scan_kernel,
+            doc_ids=doc_ids, chunk_size=self.cfg.chunk_size, return_final_state=return_final_state,
+            matmul_dtype=matmul_dtype, kernel=self.cfg.scan_kernel,
         )
+
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The prompt x (b, t, d) into a fresh cache in one pass: the forward's chunked scan (its Triton
+        kernels where the forward takes them), whose final state gives H, B_prev (the last token's biased,
+        rotated B) and x_prev, and the last token's cumulative angle, reduced mod 2 pi as the step keeps it."""
+        proj = self._project(x)
+        y, (H, B_last, x_last) = self._scan(proj, None, return_final_state=True)
+        angle = torch.remainder(proj.angles[:, -1], 2 * math.pi)
+        for key, value in (("angle", angle), ("H", H), ("B_prev", B_last), ("x_prev", x_last)):
+            cache[key].copy_(value)
         return self.out_proj(y.flatten(2))
 
     def init_cache(

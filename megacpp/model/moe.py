@@ -337,6 +337,15 @@ class MoE(nn.Module):
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> dict[str, Tensor]:
         return {}
 
+    def prefill(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """x (b, t, d) as t steps would see it: each token a sequence of one (capacity 1: nothing
+        overflows, and expert choice cannot look ahead), in one forward over b*t such rows. The same as
+        `forward` whenever nothing overflows there. The padded dispatch then runs every expert on every
+        token (n_experts / top_k times the routed rows' FLOPs, still one pass); the grouped one only the
+        routed rows."""
+        b, t, d = x.shape
+        return self.forward(x.reshape(b * t, 1, d)).view(b, t, d)
+
     def forward_step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
         """x (b, 1, d): the FFN is stateless, so a step is a forward on one position."""
         return self.forward(x)

@@ -21,7 +21,9 @@ What only some kinds need is an optional hook the code asks for by name, never a
 - ``inactive_parameters() -> int``: parameters a token does not touch (routed experts), for the
   active-parameter count and MFU;
 - ``param_hints`` (optimizer routing), ``reduced_buffers`` (statistics summed across ranks) and
-  ``after_optimizer_step`` (post-step work): see `megacpp.model.hints`.
+  ``after_optimizer_step`` (post-step work): see `megacpp.model.hints`;
+- ``prefill(x, cache) -> y``: a whole prompt into a fresh decode cache in one pass; without it decoding
+  calls ``forward_step`` once per prompt position (`megacpp.model.prefill`).
 
 Mixer classes are named by import path and loaded on first use, so the pattern parser imports no model
 code.
