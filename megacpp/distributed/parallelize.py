@@ -9,10 +9,10 @@ whole matrices. On a 1-D mesh S is every rank (fsdp); on a 2-D (replicas, shards
 placements (Replicate(), Shard(0)), gradients reduce-scattered within a shard group and all-reduced
 across the replicas.
 
-The decoding step is the one entry point besides ``forward`` that the trainer and the decoder call
-on the model (the root's and each block's ``forward_step``); it is registered with
-`register_fsdp_forward_method` so it gathers the weights it reads too. Everything else goes through
-``forward`` (evaluation, NaN localisation by forward hooks).
+Decoding's prompt pass and step are the entry points besides ``forward`` that the trainer and the
+decoder call on the model (the root's and each block's ``prefill`` and ``forward_step``); they are
+registered with `register_fsdp_forward_method` so that they gather the weights they read too.
+Everything else goes through ``forward`` (evaluation, NaN localisation by forward hooks).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 # Entry points besides forward. Only methods called from outside the module: a registered method
 # called from inside another registered one would run FSDP's hooks twice.
-ROOT_METHODS = ("forward_step",)
-BLOCK_METHODS = ("forward_step",)
+ROOT_METHODS = ("forward_step", "prefill")
+BLOCK_METHODS = ("forward_step", "prefill")
 
 
 def fully_shard_model(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, mesh: DeviceMesh,

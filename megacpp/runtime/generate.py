@@ -54,7 +54,7 @@ def generate_tokens(
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = model.init_cache(batch_size=1, max_len=len(prompt) + max_new_tokens)
     # The whole prompt in one pass per block, then one step per new token: a 2,048-token prompt on the
-    # `tiny` preset took 13.5 s so against 104.7 s token by token (2 shared CPU cores; M2RNN's sequential
+    # `tiny` preset took 13.5 s against 104.7 s token by token (2 shared CPU cores; M2RNN's sequential
     # scan is most of what is left).
     logits = model.prefill(torch.tensor([prompt], device=device), cache)
     for _ in range(max_new_tokens):
