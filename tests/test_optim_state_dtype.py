@@ -77,8 +77,8 @@ def test_tier1_adamw_bf16_first_moment_is_the_fp32_update_of_a_rounded_buffer() 
 def test_tier3_muon_bf16_momentum_stays_near_fp32_momentum() -> None:
     """Bound: 5% of each matrix's displacement after 8 steps (Frobenius). The orthogonalization already
     runs in bf16 (input rounded, five bf16 iterations), so any input change larger than half a bf16 ulp
-    flips roundings inside it and the two runs differ by its own rounding noise, a few bf16 ulps
-    (2^-8 = 0.39%) per entry: measured 1.1-1.7% on these problems."""
+    flips roundings inside it and the two runs differ by its own rounding noise, a few bf16 roundings
+    (2^-8 = 0.39% each) per entry: measured 1.1-1.7% on these problems."""
     ref, loss = _least_squares(SHAPES, seed=3)
     ours, start = _clone(ref), _clone(ref)
     kw = dict(lr=0.02, weight_decay=0.1)
@@ -92,10 +92,10 @@ def test_tier3_muon_bf16_momentum_stays_near_fp32_momentum() -> None:
 
 
 def test_tier3_adamw_bf16_first_moment_stays_near_fp32() -> None:
-    """Bound: 2^-9 / (1 - beta1) = 1.95% of each parameter's displacement after 10 steps (Frobenius). Each
-    write of the first moment rounds it by at most 2^-9 of its value; older roundings decay by beta1 per
-    step, so its error stays below 2^-9 / (1 - beta1) of its size, and the step lr * m / (sqrt(v) + eps) is
-    linear in m (v is fp32 and the same to first order). Measured 0.13%."""
+    """Bound: 2^-8 / (1 - beta1) = 3.9% of each parameter's displacement after 10 steps (Frobenius). Each
+    write of the first moment rounds it by at most 2^-8 of its value (bf16's unit roundoff); older roundings
+    decay by beta1 per step, so its error stays below 2^-8 / (1 - beta1) of its size, and the step
+    lr * m / (sqrt(v) + eps) is linear in m (v is fp32 and the same to first order). Measured 0.13%."""
     ref, loss = _problem(2)
     ours, start = _clone(ref), _clone(ref)
     wide = AdamW(ref, lr=0.01, weight_decay=0.1)
@@ -103,7 +103,7 @@ def test_tier3_adamw_bf16_first_moment_stays_near_fp32() -> None:
     for _ in range(10):
         _step(wide, ref, loss)
         _step(narrow, ours, loss)
-    bound = 2.0 ** -9 / (1 - 0.9)
+    bound = 2.0 ** -8 / (1 - 0.9)
     for a, b, p0 in zip(ref, ours, start, strict=True):
         assert not torch.equal(a, b), "bf16 storage changed nothing: the setting is not applied"
         assert (a - b).norm() <= bound * (a - p0).norm(), ((a - b).norm() / (a - p0).norm()).item()
