@@ -60,3 +60,12 @@ def test_tier1_replicate_steps_equal_one_device_and_gradients_are_the_ranks_mean
     ranks' mean (exact on 2 ranks, within 4 ulps of the largest sum on 3)."""
     launch = torchrun(["tests/distributed/replicate_parity.py"], nproc=nproc, timeout=240).check()
     assert launch.output.count("PASS") == nproc
+
+
+@pytest.mark.slow
+def test_tier1_replicate_steps_with_bf16_first_moments_equal_one_device() -> None:
+    """As above on 2 ranks with AdamW's first moments stored in bf16 too (optim.adamw_momentum_dtype; Muon's
+    momentum is bf16 in both runs): the owners' bf16 moments and the gathered weights equal one device's."""
+    launch = torchrun(["tests/distributed/replicate_parity.py", "--adamw-momentum-dtype", "bfloat16"], nproc=2,
+                      timeout=240).check()
+    assert launch.output.count("PASS") == 2

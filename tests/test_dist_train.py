@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
-from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
+from megacpp.runtime.checkpoint import MOMENTS_DIR, list_checkpoints, verify_checkpoint
 from tests.helpers import tiny_train_args, write_corpus
 from tests.torchrun import Launch, python, torchrun, two_nodes
 
@@ -285,6 +286,26 @@ def test_tier1_two_rank_checkpoint_resumes_on_one_and_two_ranks(tmp_path, corpus
         result = torchrun(["tests/distributed/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
         assert result.output.count("PASS") == nproc
     torchrun([LAUNCH, *args(broken, corpus, **{"train.steps": "6", "dist.strategy": strategy}), "--resume"]).check()
+    assert losses(broken / "run") == losses(straight / "run")
+    a = load_file(list_checkpoints(straight / "run")[0] / "model.safetensors")
+    b = load_file(list_checkpoints(broken / "run")[0] / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tier1_fsdp_run_with_bf16_moments_resumes_bitwise(tmp_path, corpus):
+    """Muon's momentum and AdamW's first moments stored in bf16 (ShardedMuon and AdamW on DTensor shards),
+    interrupted at step 3 and resumed to 6 on 2 ranks: losses and final weights bit-identical to an
+    uninterrupted run; the checkpoint's moments are bf16 on disk."""
+    bf16 = {"train.steps": "6", "dist.strategy": "fsdp", "optim.momentum_dtype": "bfloat16",
+            "optim.adamw_momentum_dtype": "bfloat16"}
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    launch(straight, corpus, **bf16).check()
+    first = launch(broken, corpus, "interrupt@0:4", "interrupt@1:4", **bf16)
+    assert first.returncode != 0 and [p.name for p in list_checkpoints(broken / "run")] == ["step_00000003"]
+    saved = FileSystemReader(list_checkpoints(broken / "run")[0] / MOMENTS_DIR).read_metadata().state_dict_metadata
+    first_moments = {k: v.properties.dtype for k, v in saved.items() if k.endswith(("/momentum_buffer", "/exp_avg"))}
+    assert first_moments and set(first_moments.values()) == {torch.bfloat16}, first_moments
+    torchrun([LAUNCH, *args(broken, corpus, **bf16), "--resume"]).check()
     assert losses(broken / "run") == losses(straight / "run")
     a = load_file(list_checkpoints(straight / "run")[0] / "model.safetensors")
     b = load_file(list_checkpoints(broken / "run")[0] / "model.safetensors")

@@ -47,12 +47,15 @@ def fresh_dynamo():
 def _build(kind: str, params: list[nn.Parameter], compiled: bool, backend: str) -> torch.optim.Optimizer:
     if kind == "muon":
         return Muon(params, weight_decay=0.1, compile_step=compiled, compile_backend=backend)
-    return AdamW(params, weight_decay=0.1, compile_step=compiled, compile_backend=backend)
+    momentum_dtype = "bfloat16" if kind == "adamw_bf16" else "float32"  # bf16 first moments: per-tensor fp32 copies
+    return AdamW(params, weight_decay=0.1, momentum_dtype=momentum_dtype, compile_step=compiled,
+                 compile_backend=backend)
 
 
 @pytest.mark.parametrize("kind,hparams", [
     ("muon", ("lr", "weight_decay", "momentum")),
     ("adamw", ("lr", "weight_decay")),
+    ("adamw_bf16", ("lr", "weight_decay")),
 ])
 def test_tier3_compiled_step_no_recompiles_over_50_steps(fresh_dynamo, kind: str, hparams: tuple[str, ...]) -> None:
     # error_on_recompile=True raises on the first recompile; the metrics count is the second witness.
@@ -64,7 +67,7 @@ def test_tier3_compiled_step_no_recompiles_over_50_steps(fresh_dynamo, kind: str
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the whole step is one graph
 
 
-@pytest.mark.parametrize("kind", ["muon", "adamw"])
+@pytest.mark.parametrize("kind", ["muon", "adamw", "adamw_bf16"])
 def test_tier3_compiled_step_matches_eager(fresh_dynamo, kind: str) -> None:
     # Tolerance: 1e-6 absolute after 5 steps (lr 0.02 on O(1) weights). aot_eager runs decomposed aten
     # ops, and the AdamW paths differ (fused eager kernel vs foreach + capturable compiled), so

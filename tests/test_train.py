@@ -92,6 +92,36 @@ def test_tier1_resume_with_lr_factors_per_kind_is_exact_and_may_change_them(tmp_
     assert not torch.equal(changed.model.state_dict()[r_out], resumed.model.state_dict()[r_out])
 
 
+def test_tier1_bf16_moments_resume_exactly_and_widen_exactly_when_resumed_into_float32(tmp_path, small_corpus,
+                                                                                    monkeypatch):
+    """Muon's momentum and AdamW's first moments stored in bf16: killed after step 3 and resumed to 6, the run
+    equals the uninterrupted one bit for bit. The same checkpoint resumed with both settings float32 says so
+    in one line per setting and widens the moments exactly: its step 4 is the bf16 run's step 4 (each step
+    computes in fp32 from the stored value), so the losses of steps 1-5 are equal; from step 5 on the fp32
+    buffers keep what bf16 would round, and the weights part."""
+    bf16 = {"optim.momentum_dtype": "bfloat16", "optim.adamw_momentum_dtype": "bfloat16"}
+    straight = _run(tiny_train_config(tmp_path / "a", small_corpus, **bf16))
+    _run_killed_after_three(tiny_train_config(tmp_path / "b", small_corpus, **bf16), monkeypatch)
+    shutil.copytree(tmp_path / "b" / "run", tmp_path / "c" / "run")
+    resumed = _run(tiny_train_config(tmp_path / "b", small_corpus, **bf16), resume=True)
+    _assert_same_training_state(straight, resumed)
+    first_moments = {k: v.dtype for k, v in resumed.stack.moments().items()
+                     if k.endswith(("/momentum_buffer", "/exp_avg"))}
+    assert first_moments and set(first_moments.values()) == {torch.bfloat16}
+
+    lines: list[str] = []
+    fp32 = {"optim.momentum_dtype": "float32", "optim.adamw_momentum_dtype": "float32"}
+    widened = Trainer(tiny_train_config(tmp_path / "c", small_corpus, **fp32), log=lines.append, progress=False)
+    widened.run(resume=True)
+    assert [line for line in lines if "the checkpoint stored" in line] == [
+        f"resuming with optim.{key} = 'float32' (the checkpoint stored 'bfloat16'): its moments are widened exactly "
+        "as they load" for key in ("momentum_dtype", "adamw_momentum_dtype")]
+    assert widened.losses[:5] == straight.losses[:5]
+    assert all(widened.stack.moments()[k].dtype == torch.float32 for k in first_moments)
+    final_a, final_c = straight.model.state_dict(), widened.model.state_dict()
+    assert any(not torch.equal(final_a[k], final_c[k]) for k in final_a)
+
+
 def test_run_writes_metrics_plot_sample_and_keeps_last_k(tmp_path, small_corpus):
     cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "7", "train.ckpt_every": "2",
                                                         "train.keep_last": "2"})

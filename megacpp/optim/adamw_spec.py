@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def _adamw_settings(cfg: OptimConfig) -> dict[str, Any]:
     return dict(lr=cfg.adamw_lr, betas=(cfg.adamw_beta1, cfg.adamw_beta2), eps=cfg.adamw_eps,
-                weight_decay=cfg.adamw_weight_decay)
+                weight_decay=cfg.adamw_weight_decay, momentum_dtype=cfg.adamw_momentum_dtype)
 
 
 def _adamw_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
@@ -27,8 +27,10 @@ def _adamw_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
 
 
 def _adamw_state_bytes(route: Route, cfg: OptimConfig) -> int:
-    """exp_avg and exp_avg_sq in the parameter's dtype, and the fp32 step."""
-    return 2 * route.param.numel() * route.param.element_size() + 4
+    """exp_avg in adamw_momentum_dtype, exp_avg_sq in the parameter's dtype, and the fp32 step."""
+    numel = route.param.numel()
+    exp_avg = numel * (2 if cfg.adamw_momentum_dtype == "bfloat16" else 4)
+    return exp_avg + numel * route.param.element_size() + 4
 
 
 ADAMW_SPEC = OptimizerSpec(

@@ -36,7 +36,7 @@ class OptimConfig(ConfigSection):
     variance_beta2: float = 0.95
     ns_coefficients: CoefficientSet = "polar_express"
     ns_steps: int = 5
-    momentum_dtype: MomentumDtype = "bfloat16"
+    momentum_dtype: MomentumDtype = "bfloat16"  # Muon's momentum buffer; the arithmetic is fp32 either way
     muon_lr_scaling: LRScaling = "original"  # default for 2-D matrices
     expert_lr_scaling: LRScaling = "match_rms_adamw"  # default for stacked (E, A, B) expert weights
 
@@ -48,6 +48,9 @@ class OptimConfig(ConfigSection):
     adamw_beta2: float = 0.95
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.0
+    # AdamW's first moment (exp_avg) storage, updated in fp32 and rounded back; the second moment stays
+    # fp32 (docs/optim.md, "State dtypes").
+    adamw_momentum_dtype: MomentumDtype = "float32"
 
     # Learning-rate factor per block kind, as "<kind>=<factor>" entries (megacpp.optim.kind_scales):
     # ["M=0.5", "R=0.25"] multiplies the base lr of every parameter of the M and R blocks (mixer and

@@ -36,6 +36,7 @@ from megacpp.optim.orthogonalize import (
     coefficient_schedule,
     orthogonalize,
 )
+from megacpp.optim.state_dtype import state_dtype, state_dtype_name
 
 
 def lr_ratio(shape: Sequence[int], mode: str) -> float:
@@ -225,7 +226,7 @@ class Muon(TensorHParamOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, nesterov=nesterov,
             variance_reduction=variance_reduction, cautious_weight_decay=cautious_weight_decay,
             coefficients=coefficients, ns_steps=ns_steps, normalization=normalization, eps=eps,
-            lr_scaling=lr_scaling, split_sizes=split_sizes, momentum_dtype=_dtype_name(momentum_dtype),
+            lr_scaling=lr_scaling, split_sizes=split_sizes, momentum_dtype=state_dtype_name(momentum_dtype),
         )
         super().__init__(params, defaults, compile_step=compile_step, compile_backend=compile_backend)
 
@@ -235,7 +236,7 @@ class Muon(TensorHParamOptimizer):
         coefficient_schedule(group["coefficients"], group["ns_steps"])  # validates
         if group["normalization"] not in NORMALIZATIONS:
             raise ValueError(f"unknown normalization {group['normalization']!r}")
-        group["momentum_dtype"] = _dtype_name(group["momentum_dtype"])
+        group["momentum_dtype"] = state_dtype_name(group["momentum_dtype"])
         if group["split_sizes"] is not None:
             group["split_sizes"] = tuple(int(s) for s in group["split_sizes"])
         for p in group["params"]:
@@ -260,13 +261,13 @@ class Muon(TensorHParamOptimizer):
         """The state of `p`, created (zeros) on first use; in p's layout, so a DTensor gets DTensors."""
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum_dtype"]))
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(group["momentum_dtype"]))
         if group["variance_reduction"] and "second_moment" not in state:
             state["second_moment"] = self._new_second_moment(p)
         return state
 
     def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        state["momentum_buffer"] = state["momentum_buffer"].to(getattr(torch, group["momentum_dtype"]))
+        state["momentum_buffer"] = state["momentum_buffer"].to(state_dtype(group["momentum_dtype"]))
         if "second_moment" in state:
             state["second_moment"] = state["second_moment"].float()
 
@@ -342,9 +343,3 @@ def torch_muon_compatible(
         compile_step=compile_step, compile_backend=compile_backend,
     )
 
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in ("bfloat16", "float32"):
-        raise ValueError(f"momentum_dtype must be bfloat16 or float32, got {dtype}")
-    return name

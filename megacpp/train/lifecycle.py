@@ -28,7 +28,7 @@ from megacpp.runtime.checkpoint import (
     read_meta,
     set_aside,
 )
-from megacpp.train.resume_rules import check_compatible, check_resume_settings, rows_per_step
+from megacpp.train.resume_rules import check_compatible, check_resume_settings, rows_per_step, state_dtype_changes
 from megacpp.train.rundir import RunDirError, RunLock, claim_run_dir
 
 
@@ -114,6 +114,8 @@ class RunDirectory:
         for key, saved, now in self.check_resume_settings():
             self.log(f"resuming with model.{key} = {now!r} (the checkpoint trained with {saved!r}): it changes how "
                      "the model is computed or bounded, not its weights")
+        for line in state_dtype_changes(read_meta(path), to_dict(self.cfg)):
+            self.log(line)
         check_compatible(read_meta(path), model_cfg, tokenizer_hash, path, self.cfg.data.seq_len)
         return dist_checkpoint.load(self.ctx, path, model, moments, experts)
 

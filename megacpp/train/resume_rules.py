@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megacpp.model.config import ModelConfig
+from megacpp.optim.config import OptimConfig
 from megacpp.runtime.checkpoint import CheckpointError
 
 
@@ -86,6 +87,26 @@ def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokeniz
             f"{where}: trained with tokenizer {str(meta.get('tokenizer_hash'))[:12]}, "
             f"this run uses {tokenizer_hash[:12]}"
         )
+
+
+# Optimizer settings that choose how moments are stored. A resume may change them: the checkpoint's moments
+# load into this run's buffers, which converts them (bf16 -> fp32 exactly, fp32 -> bf16 rounded once).
+STATE_DTYPE_SETTINGS = ("momentum_dtype", "adamw_momentum_dtype")
+
+
+def state_dtype_changes(meta: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """One line per moment storage dtype that differs between checkpoint and this run, saying what the load
+    does to the saved moments. A setting the checkpoint does not record is taken at its default, the
+    dtype it was written with before the setting existed."""
+    saved, now = meta.get("config", {}).get("optim", {}), config["optim"]
+    lines = []
+    for key in STATE_DTYPE_SETTINGS:
+        before = saved.get(key, getattr(OptimConfig, key))
+        if before != now[key]:
+            effect = "widened exactly" if now[key] == "float32" else "rounded once"
+            lines.append(f"resuming with optim.{key} = {now[key]!r} (the checkpoint stored {before!r}): its moments "
+                         f"are {effect} as they load")
+    return lines
 
 
 # Model settings that change how the model is computed, or how its weights are kept in bounds after a

@@ -12,8 +12,11 @@ On a GPU (``--device cuda``, NCCL) cuBLAS may pick other kernels for the owner's
 the comparison reports the largest difference relative to the parameters' scale and checks it against
 ``--tolerance`` instead of requiring equality.
 
+``--momentum-dtype bfloat16`` stores the momentum in bf16 on both sides: each rank rounds its own rows,
+which are the single-device buffer's rows, so the comparison stays bitwise.
+
 Usage: torchrun --nproc-per-node=N tests/distributed/muon_parity.py [--compile-backend aot_eager]
-       [--device cuda --tolerance 1e-6] [--replicas R]
+       [--device cuda --tolerance 1e-6] [--replicas R] [--momentum-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--momentum-dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     if args.device == "cuda":
         local = int(os.environ["LOCAL_RANK"])
@@ -83,7 +87,7 @@ def main() -> None:
         worst = max(worst, err)
         assert err <= args.tolerance, f"{what}: relative difference {err:.3e} > {args.tolerance}"
     kwargs = dict(lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=True, variance_reduction=True,
-                  cautious_weight_decay=True, momentum_dtype="float32")
+                  cautious_weight_decay=True, momentum_dtype=args.momentum_dtype)
     if args.compile_backend:
         kwargs.update(compile_step=True, compile_backend=args.compile_backend)
     reference = Muon(build(lambda t: nn.Parameter(t.clone())), **kwargs)

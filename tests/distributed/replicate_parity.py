@@ -11,9 +11,12 @@
    ranks (a sum of two fp32 numbers is the same in any order; halving is exact).
 
 Prints PASS per rank. Usage: torchrun --nproc-per-node=N tests/distributed/replicate_parity.py
+[--adamw-momentum-dtype bfloat16] (AdamW's first moments stored in bf16 by both stacks; Muon's momentum is
+bf16 in the tiny preset already)
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 
@@ -41,8 +44,9 @@ def tiny_model() -> HybridLM:
     return HybridLM(cfg)
 
 
-def check_optimizer_step(ctx: DistContext) -> None:
+def check_optimizer_step(ctx: DistContext, adamw_momentum_dtype: str) -> None:
     optim = preset("tiny").optim
+    optim.adamw_momentum_dtype = adamw_momentum_dtype
     model = tiny_model()
     reference = copy.deepcopy(model)
     replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p.ndim >= 2))
@@ -109,9 +113,12 @@ def check_gradient_reduction(ctx: DistContext) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--adamw-momentum-dtype", default="float32", choices=("float32", "bfloat16"))
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     ctx = DistContext(dist.get_rank(), dist.get_world_size(), dist.get_rank(), torch.device("cpu"))
-    check_optimizer_step(ctx)
+    check_optimizer_step(ctx, args.adamw_momentum_dtype)
     check_gradient_reduction(ctx)
     print(f"rank {ctx.rank} PASS")
     gc.collect()
