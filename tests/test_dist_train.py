@@ -226,7 +226,7 @@ def test_a_weight_that_drifts_on_one_rank_is_caught_by_the_next_fingerprint_chec
 @pytest.mark.parametrize(("strategy", "optimizer", "bound"), [
     ("fsdp", "adamw", 1e-4), ("fsdp", "muon", 2e-3), ("fsdp", "muon+qk_clip", 2e-3),
     ("fsdp", "muon+w_spectral_cap", 2e-3), ("replicate", "adamw", 1e-4), ("replicate", "muon+qk_clip", 2e-3),
-    ("replicate", "muon+w_spectral_cap", 2e-3)])
+    ("replicate", "muon+w_spectral_cap", 2e-3), ("hsdp", "muon+qk_clip", 2e-3)])
 def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus, strategy, optimizer, bound):
     """Tier 3: same global batch, data and initial weights. Step 1 (no update yet) agrees to 1e-5; the
     8 steps to `bound`. The ranks' gradients are averaged by a collective (a reduce-scatter under fsdp,
@@ -236,6 +236,8 @@ def test_tier3_one_rank_at_batch_4_matches_two_ranks_at_batch_2(tmp_path, corpus
     (measured under fsdp; the same order with the MoE layer removed)."""
     extra = {"train.steps": "8", "optim.use_muon": "false" if optimizer == "adamw" else "true",
              "dist.strategy": strategy}
+    if strategy == "hsdp":  # 1 replica x 2 shards: the rows sharded over the second dimension of a 2-D mesh
+        extra["dist.shard_size"] = "2"
     if optimizer == "muon+qk_clip":  # a tau that clips every step: row scaling of sharded QKV weights
         extra.update({"model.attention.qk_clip": "weight", "model.attention.qk_norm": "false",
                       "model.attention.qk_clip_tau": "0.5"})

@@ -34,7 +34,6 @@ from megacpp.distributed.muon import ShardedMuon
 from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.distributed.parity import check_parity
 from megacpp.distributed.replicate import Replication, optimizer_work, replicate
-from megacpp.optim.clip import find_attention_modules
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
 # at B16 x T2048 they peak near 20 GiB of an 80 GB card) and the allocator's fragmentation.
@@ -163,7 +162,7 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
                        "expert_parallel": [dist_cfg.expert_parallel, blocks]},
                  "before the data-parallel layout")
     if dist_cfg.strategy == "hsdp":
-        check_hsdp(dist_cfg, ctx, model)
+        check_hsdp(dist_cfg, ctx)
     # Before compile, so that the E blocks' graphs trace the exchange; before the choice, which sizes
     # what this rank holds.
     experts = shard_experts(model, dist_cfg, ctx)
@@ -201,10 +200,8 @@ def hsdp_layout(world_size: int, shards: int) -> str:
     return text + (": fsdp's layout" if replicas == 1 else "")
 
 
-def check_hsdp(cfg: DistConfig, ctx: DistContext, model: nn.Module) -> None:
-    """hsdp's settings, as one line naming the key: the shard groups tile the ranks; no expert parallelism;
-    no QK-clip in weight mode (its row scaling of sharded weights, megacpp.optim.local.row_range, finds a
-    rank's rows on a 1-D mesh only)."""
+def check_hsdp(cfg: DistConfig, ctx: DistContext) -> None:
+    """hsdp's settings, as one line naming the key: the shard groups tile the ranks; no expert parallelism."""
     shards = shard_group_size(cfg)
     if ctx.world_size % shards:
         source = "" if cfg.shard_size else f" (0: this host's {shards} rank(s), torchrun's LOCAL_WORLD_SIZE)"
@@ -213,9 +210,6 @@ def check_hsdp(cfg: DistConfig, ctx: DistContext, model: nn.Module) -> None:
     if cfg.expert_parallel > 1:
         raise DistError(f"dist.strategy = hsdp with dist.expert_parallel = {cfg.expert_parallel}: expert parallelism "
                         "runs beside replicate or fsdp only (set dist.strategy to one of them)")
-    if any(getattr(m, "qk_clip", "off") == "weight" for m in find_attention_modules(model)):
-        raise DistError("dist.strategy = hsdp with model.attention.qk_clip = 'weight': QK-clip's row scaling of "
-                        "sharded weights runs under replicate or fsdp only (or use qk_clip 'activation')")
 
 
 def _orthogonalized(model: nn.Module) -> set[nn.Parameter]:

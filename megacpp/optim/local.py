@@ -33,13 +33,16 @@ def full_value(t: Tensor) -> Tensor:
 def row_range(t: Tensor) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows this rank holds: the whole range for a plain or replicated tensor.
 
-    FSDP2 shards dim 0 in ceil(n / W) chunks (torch.chunk's rule; trailing ranks may hold none).
+    FSDP2 shards dim 0 in ceil(n / W) chunks (torch.chunk's rule; trailing ranks may hold none), W the
+    ranks of the mesh dimension it shards over (every rank under fsdp; a shard group under hsdp, whose
+    replicas hold the same rows).
     """
     rows = t.shape[0]
-    if not is_sharded(t) or not any(p.is_shard(0) for p in t.placements):
+    dim = next((d for d, p in enumerate(t.placements) if p.is_shard(0)), None) if is_sharded(t) else None
+    if dim is None:
         return 0, rows
     mesh = t.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     chunk = -(-rows // world)
     start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
     if t.to_local().shape[0] != stop - start:
