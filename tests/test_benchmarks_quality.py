@@ -1,4 +1,4 @@
-"""benchmarks/runs/compare_quality.py, loss_spread.py and quality_study.py: the runs a user names, and
+"""benchmarks/runs/compare_quality.py, loss_spread.py, quality_study.py and context_study.py: the runs a user names, and
 mistakes in naming them, end in one line (SystemExit with a message), never a traceback; a mistake in
 any quality_study variant is reported before any variant trains."""
 from __future__ import annotations
@@ -17,9 +17,10 @@ def bench(monkeypatch):
     """The benchmark scripts importable as modules (they import each other by file name)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import compare_quality
+    import context_study
     import loss_spread
     import quality_study
-    return {"compare": compare_quality, "spread": loss_spread, "study": quality_study}
+    return {"compare": compare_quality, "spread": loss_spread, "study": quality_study, "context": context_study}
 
 
 def write_run(path: Path, steps: int = 4) -> Path:
@@ -88,4 +89,20 @@ def test_tier1_quality_study_refuses_bad_variants_before_training(bench, monkeyp
     for expected, variants in cases.items():
         monkeypatch.setattr(sys, "argv", ["quality_study.py", "--out", str(out), "--steps", "2", *variants])
         assert expected in one_line_exit(bench["study"].main)
+    assert trained == [] and not out.exists()
+
+
+def test_tier1_context_study_refuses_bad_variants_before_training(bench, monkeypatch, tmp_path):
+    """A mistake in any variant ends the study in one line before the first variant trains."""
+    trained = []
+    monkeypatch.setattr(bench["context"], "run_variant", lambda v, *a, **k: trained.append(v))
+    out = tmp_path / "study"
+    cases = {
+        "expected PRESET:SEQ_LEN": ["small:2048", "small"],
+        "not a multiple of small_3000's length": ["small:2048", "small:3000"],
+        "no documented rope_theta": ["--tokens-per-step", "131072", "small:2048", "small:131072"],
+    }
+    for expected, variants in cases.items():
+        monkeypatch.setattr(sys, "argv", ["context_study.py", "--out", str(out), *variants, "--", "--data.corpus", "x"])
+        assert expected in one_line_exit(bench["context"].main)
     assert trained == [] and not out.exists()

@@ -12,7 +12,8 @@ Lengths past 8,192 get `model.attention.max_seq_len` and the documented RoPE the
 (`rope_theta_for_length`). After training, `megacpp eval --by-position` (and `--cpp-syntax N`) runs on
 the same GPU. Variants go to the GPUs in the order given (the next free GPU takes the next variant);
 each command runs under a timeout, a failure is reported and the study goes on. The arguments after
-`--` go to every `megacpp train`. Prints one table at the end; every run's output is in --out.
+`--` go to every `megacpp train`. Prints the tables at the end and writes them to --out/summary.md;
+every run's output is in --out.
 """
 from __future__ import annotations
 
@@ -61,8 +62,11 @@ def train_args(v: Variant, args: argparse.Namespace, extra: list[str]) -> list[s
            "--train.eval_every", str(args.eval_every), "--train.ckpt_every", "1000000",
            "--train.out_dir", str(args.out / v.label), "--train.overwrite", "true"]
     if v.seq_len > PRESET_MAX_SEQ_LEN:
-        cmd += ["--model.attention.max_seq_len", str(v.seq_len),
-                "--model.attention.rope_theta", str(rope_theta_for_length(v.seq_len))]
+        try:
+            theta = rope_theta_for_length(v.seq_len)
+        except ValueError as e:
+            raise SystemExit(f"{v.label}: {e}") from None
+        cmd += ["--model.attention.max_seq_len", str(v.seq_len), "--model.attention.rope_theta", str(theta)]
     return cmd + extra
 
 
@@ -163,17 +167,19 @@ def main() -> None:
     for t in threads:
         t.join()
 
-    print("| run | tokens/s | MFU | peak GiB | first step s | val bits/byte | by position (tokens: bits/byte) "
-          "| C++ syntax |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
-    for v in variants:
-        print(summary_row(v, args.out))
+    lines = ["| run | tokens/s | MFU | peak GiB | first step s | val bits/byte | by position (tokens: bits/byte) "
+             "| C++ syntax |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines += [summary_row(v, args.out) for v in variants]
     by_length: dict[int, list] = {}
     for v in variants:
         if (args.out / v.label / "metrics.jsonl").is_file():
             by_length.setdefault(v.seq_len, []).append(load_run_dir(v.label, args.out / v.label))
     for length, runs in sorted(by_length.items()):
-        print(f"\n## {length} tokens of context\n{report(runs, args.out / f'quality_{length}.png')}")
+        lines.append(f"\n## {length} tokens of context\n{report(runs, args.out / f'quality_{length}.png')}")
+    text = "\n".join(lines)
+    print(text)
+    # The whole result in one file: the table alone outlives the run directories' checkpoints.
+    (args.out / "summary.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
