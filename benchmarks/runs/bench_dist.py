@@ -1,49 +1,66 @@
 """Multi-GPU benchmarks: `megacpp train` under torchrun, each variant a fresh job.
 
-Variants (name: GPUs, batch per GPU, accumulation, strategy):
-- ``small-1``: 1 GPU, batch 16;            ``small-1-b8``: 1 GPU, batch 8 (the kernels' batch-size loss);
-- ``small-2``: 2 GPUs, batch 16 each, replicate (the same per-GPU batch as small-1);
-- ``small-2-b8``: 2 GPUs, batch 8 each, replicate (the same global batch as small-1);
-- ``small-2-fsdp``: 2 GPUs, batch 16 each, FSDP2;
-- ``small-1-acc2``: 1 GPU, batch 16 x 2 accumulated (the same global batch and token stream as small-2);
-- ``nam52-dD``: `nam52` cut to depth D (its pattern and widths unchanged) on all visible GPUs.
+Variants, by name:
+- ``small-N[-bB][-accK][-STRATEGY]``: `small` on N GPUs, batch B per GPU (default 16), K micro-batches
+  accumulated (default 1), STRATEGY ``auto`` (default: what `megacpp train` picks), ``replicate``,
+  ``fsdp`` or ``hsdpS`` (hsdp with shard groups of S ranks). E.g. ``small-1``, ``small-1-b8`` (the
+  kernels' batch-size loss), ``small-2-b8`` (the same global batch as small-1), ``small-8``,
+  ``small-1-acc2`` (the same global batch and token stream as small-2).
+- ``nam52[-dD][-gN][-epP][-STRATEGY]``: `nam52` cut to depth D (its pattern and widths unchanged; default
+  full depth) on N GPUs (default: all visible), with ``dist.expert_parallel = P`` (default 1).
 
     python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2,small-2-b8,small-1-b8
-    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-d26 --steps 12
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-4,small-8
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-ep4,nam52-ep8 --steps 12
 
 For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
 time (compile), peak memory of rank 0, and the profile lines of its run (``--set train.profile_steps=3``
 asks for them: compute, exposed collectives and idle per rank). Then the scaling efficiencies it can
-form: per-GPU tokens/s of small-2 over small-1 (same per-GPU batch), of small-2-b8 over small-1 (same
-global batch) and over small-1-b8 (the communication's share alone), and the largest loss difference of
-small-1-acc2 and small-2 (the same token stream).
+form: per-GPU tokens/s of each several-GPU `small` variant over the 1-GPU one at the same per-GPU batch,
+of small-2-b8 over small-1 (same global batch) and over small-1-b8 (the communication's share alone), and
+the largest loss difference of small-1-acc2 and small-2 (the same token stream).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SMALL = {  # name -> (GPUs, batch per GPU, accumulation, strategy)
-    "small-1": (1, 16, 1, "auto"), "small-1-b8": (1, 8, 1, "auto"), "small-1-acc2": (1, 16, 2, "auto"),
-    "small-2": (2, 16, 1, "replicate"), "small-2-b8": (2, 8, 1, "replicate"), "small-2-fsdp": (2, 16, 1, "fsdp"),
-}
+SMALL = re.compile(r"small-(?P<gpus>\d+)(?:-b(?P<batch>\d+))?(?:-acc(?P<accum>\d+))?(?:-(?P<strategy>[a-z]+\d*))?")
+NAM52 = re.compile(r"nam52(?:-d(?P<depth>\d+))?(?:-g(?P<gpus>\d+))?(?:-ep(?P<ep>\d+))?(?:-(?P<strategy>[a-z]+\d*))?")
+STRATEGY = re.compile(r"(?P<name>auto|replicate|fsdp|hsdp(?=\d))(?P<shards>(?<=hsdp)\d+)?")
+
+
+def strategy_args(text: str | None, variant: str) -> list[str]:
+    """The dist arguments of a variant's strategy suffix (none: what `auto` picks)."""
+    found = STRATEGY.fullmatch(text or "auto")
+    if found is None:
+        raise SystemExit(f"variant {variant!r}: strategy {text!r} is not auto, replicate, fsdp or hsdpS")
+    shards = [f"--dist.shard_size={found['shards']}"] if found["shards"] else []
+    return [f"--dist.strategy={found['name']}", *shards]
 
 
 def plan(name: str, gpus: int) -> tuple[int, list[str], str]:
-    """(processes, extra arguments, preset) of a variant."""
-    if name in SMALL:
-        nproc, batch, accum, strategy = SMALL[name]
-        return nproc, [f"--train.batch_size={batch}", f"--train.grad_accum={accum}", f"--dist.strategy={strategy}"], \
-            "small"
-    if name.startswith("nam52-d"):
-        return gpus, [f"--model.depth={int(name.removeprefix('nam52-d'))}"], "nam52"
-    raise SystemExit(f"unknown variant {name!r}")
+    """(processes, extra arguments, preset) of a variant; ``gpus``: the GPUs visible."""
+    if found := SMALL.fullmatch(name):
+        batch, accum = int(found["batch"] or 16), int(found["accum"] or 1)
+        return int(found["gpus"]), [f"--train.batch_size={batch}", f"--train.grad_accum={accum}",
+                                    *strategy_args(found["strategy"], name)], "small"
+    if found := NAM52.fullmatch(name):
+        extra = [f"--model.depth={found['depth']}"] if found["depth"] else []
+        if found["ep"]:
+            extra.append(f"--dist.expert_parallel={found['ep']}")
+        if found["strategy"]:
+            extra += strategy_args(found["strategy"], name)
+        return int(found["gpus"] or gpus), extra, "nam52"
+    raise SystemExit(f"unknown variant {name!r} (expected small-N[-bB][-accK][-STRATEGY] or "
+                     "nam52[-dD][-gN][-epP][-STRATEGY])")
 
 
 def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
@@ -91,6 +108,23 @@ def _tokens_per_step(run_dir: Path, nproc: int) -> int:
     return nproc * cfg["train"]["batch_size"] * cfg["train"]["grad_accum"] * cfg["data"]["seq_len"]
 
 
+def scaling_pairs(names: list[str]) -> list[tuple[str, str, str]]:
+    """(several-GPU variant, 1-GPU variant, what is compared) for the `small` variants among ``names``: each
+    against the 1-GPU run of the same per-GPU batch and accumulation, and small-2-b8 against small-1 (the same
+    global batch)."""
+    pairs = []
+    for name in names:
+        found = SMALL.fullmatch(name)
+        if found is None or found["gpus"] == "1":
+            continue
+        one = "small-1" + "".join(f"-{k}{found[v]}" for k, v in (("b", "batch"), ("acc", "accum")) if found[v])
+        if one in names:
+            pairs.append((name, one, f"same per-GPU batch, {found['strategy'] or 'auto'}"))
+    if "small-2-b8" in names and "small-1" in names:
+        pairs.append(("small-2-b8", "small-1", "same global batch"))
+    return pairs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/bench_dist")
@@ -105,7 +139,10 @@ def main() -> None:
         args.gpus = torch.cuda.device_count()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    results = {name: run_variant(name, args, env) for name in args.variants.split(",")}
+    names = args.variants.split(",")
+    for name in names:  # every name checked before the first job starts
+        plan(name, args.gpus)
+    results = {name: run_variant(name, args, env) for name in names}
 
     print(f"\n{'variant':<12}{'GPUs':>5}{'first s':>9}{'step ms':>9}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}"
           f"{'loss':>8}")
@@ -119,11 +156,8 @@ def main() -> None:
         for line in r.get("profile", []):
             print(f"{r['name']}: {line.split('profile, ', 1)[1]}")
     ok = {name: r for name, r in results.items() if not r["failed"]}
-    for two, one, what in (("small-2", "small-1", "same per-GPU batch"), ("small-2-b8", "small-1", "same global batch"),
-                           ("small-2-b8", "small-1-b8", "same per-GPU batch of 8: communication alone"),
-                           ("small-2-fsdp", "small-1", "same per-GPU batch, FSDP2")):
-        if two in ok and one in ok:
-            print(f"{two} vs {one} ({what}): {100 * ok[two]['tok_s_gpu'] / ok[one]['tok_s_gpu']:.1f}% per GPU")
+    for two, one, what in scaling_pairs(list(ok)):
+        print(f"{two} vs {one} ({what}): {100 * ok[two]['tok_s_gpu'] / ok[one]['tok_s_gpu']:.1f}% per GPU")
     if "small-1-acc2" in ok and "small-2" in ok:
         one, two = ok["small-1-acc2"]["losses"], ok["small-2"]["losses"]
         diffs = [abs(a - b) for a, b in zip(one, two, strict=True)]
