@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacpp.optim.local import is_sharded
+from megacpp.optim.local import is_sharded, shard_dim
 from megacpp.optim.muon import (
     Bucket,
     Muon,
@@ -83,11 +83,6 @@ def from_owners(whole: Tensor, n: int, rows: list[int], rank: int, tail: Tensor 
     for s, part in enumerate(recv.split(recv_sizes)):
         out[s::world] = part.view(len(owned(n, s, world)), mine, width)
     return out
-
-
-def shard_dim(p: Tensor) -> int | None:
-    """The mesh dimension a DTensor's rows are split over (its Shard(0) placement); None when none is."""
-    return next((d for d, pl in enumerate(p.placements) if pl.is_shard(0)), None) if is_sharded(p) else None
 
 
 class ShardedMuon(Muon):

@@ -30,6 +30,11 @@ def full_value(t: Tensor) -> Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def shard_dim(t: Tensor) -> int | None:
+    """The mesh dimension a DTensor's rows are split over (its Shard(0) placement); None when none is."""
+    return next((d for d, p in enumerate(t.placements) if p.is_shard(0)), None) if is_sharded(t) else None
+
+
 def row_range(t: Tensor) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows this rank holds: the whole range for a plain or replicated tensor.
 
@@ -38,7 +43,7 @@ def row_range(t: Tensor) -> tuple[int, int]:
     replicas hold the same rows).
     """
     rows = t.shape[0]
-    dim = next((d for d, p in enumerate(t.placements) if p.is_shard(0)), None) if is_sharded(t) else None
+    dim = shard_dim(t)
     if dim is None:
         return 0, rows
     mesh = t.device_mesh
