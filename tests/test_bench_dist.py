@@ -33,9 +33,15 @@ def test_tier1_nam52_variants_take_every_visible_gpu_unless_named(bench):
         4, ["--model.depth=26", "--dist.expert_parallel=2", "--dist.strategy=fsdp"], "nam52")
 
 
+def test_tier1_nanochat_variants_run_the_anchor_at_a_per_gpu_batch(bench):
+    assert bench.plan("nanochat-1", 8) == (1, ["--batch=16"], "nanochat")
+    assert bench.plan("nanochat-4-b8", 8) == (4, ["--batch=8"], "nanochat")
+
+
 @pytest.mark.parametrize(("name", "expected"), [
     ("small-2-hsdp", "strategy 'hsdp' is not"), ("small-2-fsdp2", "strategy 'fsdp2' is not"),
-    ("small", "unknown variant 'small'"), ("nam52-ep", "strategy 'ep' is not")])
+    ("small", "unknown variant 'small'"), ("nam52-ep", "strategy 'ep' is not"),
+    ("nanochat-2-fsdp", "unknown variant 'nanochat-2-fsdp'")])
 def test_tier1_a_bad_variant_name_is_one_line(bench, name, expected):
     with pytest.raises(SystemExit) as info:
         bench.plan(name, 8)
@@ -49,3 +55,11 @@ def test_tier1_scaling_lines_pair_each_several_gpu_run_with_the_one_gpu_run_of_i
         ("small-2-b8", "small-1-b8", "same per-GPU batch, auto"),
         ("small-4-fsdp", "small-1", "same per-GPU batch, fsdp"),
         ("small-2-b8", "small-1", "same global batch")]
+
+
+def test_tier1_nanochat_runs_pair_with_the_one_gpu_anchor_of_their_batch(bench):
+    names = ["nanochat-1", "nanochat-2", "nanochat-4", "nanochat-2-b8", "small-1", "small-4"]
+    assert bench.scaling_pairs(names) == [
+        ("nanochat-2", "nanochat-1", "same per-GPU batch, nanochat's own"),
+        ("nanochat-4", "nanochat-1", "same per-GPU batch, nanochat's own"),
+        ("small-4", "small-1", "same per-GPU batch, auto")]

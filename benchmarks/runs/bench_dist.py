@@ -8,15 +8,18 @@ Variants, by name:
   ``small-1-acc2`` (the same global batch and token stream as small-2).
 - ``nam52[-dD][-gN][-epP][-STRATEGY]``: `nam52` cut to depth D (its pattern and widths unchanged; default
   full depth) on N GPUs (default: all visible), with ``dist.expert_parallel = P`` (default 1).
+- ``nanochat-N[-bB]``: the anchor, nanochat d12 on N GPUs at batch B per GPU (default 16) on random
+  tokens (`nanochat_anchor.py`; nanochat fetched to .peers/nanochat).
 
     python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-2,small-2-b8,small-1-b8
-    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants small-1,small-4,small-8
+    python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nanochat-1,nanochat-4,small-1,small-4
     python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-ep4,nam52-ep8 --steps 12
 
 For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
 time (compile), peak memory of rank 0, and the profile lines of its run (``--set train.profile_steps=3``
-asks for them: compute, exposed collectives and idle per rank). Then the scaling efficiencies it can
-form: per-GPU tokens/s of each several-GPU `small` variant over the 1-GPU one at the same per-GPU batch,
+asks for them: compute, exposed collectives and idle per rank; ``--set`` applies to megacpp's runs only).
+Then the scaling efficiencies it can form: per-GPU tokens/s of each several-GPU `small` or `nanochat`
+variant over the 1-GPU one at the same per-GPU batch,
 of small-2-b8 over small-1 (same global batch) and over small-1-b8 (the communication's share alone), and
 the largest loss difference of small-1-acc2 and small-2 (the same token stream).
 """
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 SMALL = re.compile(r"small-(?P<gpus>\d+)(?:-b(?P<batch>\d+))?(?:-acc(?P<accum>\d+))?(?:-(?P<strategy>[a-z]+\d*))?")
+NANOCHAT = re.compile(r"nanochat-(?P<gpus>\d+)(?:-b(?P<batch>\d+))?")
 NAM52 = re.compile(r"nam52(?:-d(?P<depth>\d+))?(?:-g(?P<gpus>\d+))?(?:-ep(?P<ep>\d+))?(?:-(?P<strategy>[a-z]+\d*))?")
 STRATEGY = re.compile(r"(?P<name>auto|replicate|fsdp|hsdp(?=\d))(?P<shards>(?<=hsdp)\d+)?")
 
@@ -59,12 +63,16 @@ def plan(name: str, gpus: int) -> tuple[int, list[str], str]:
         if found["strategy"]:
             extra += strategy_args(found["strategy"], name)
         return int(found["gpus"] or gpus), extra, "nam52"
-    raise SystemExit(f"unknown variant {name!r} (expected small-N[-bB][-accK][-STRATEGY] or "
-                     "nam52[-dD][-gN][-epP][-STRATEGY])")
+    if found := NANOCHAT.fullmatch(name):
+        return int(found["gpus"]), [f"--batch={found['batch'] or 16}"], "nanochat"
+    raise SystemExit(f"unknown variant {name!r} (expected small-N[-bB][-accK][-STRATEGY], "
+                     "nam52[-dD][-gN][-epP][-STRATEGY] or nanochat-N[-bB])")
 
 
 def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     nproc, extra, preset = plan(name, args.gpus)
+    if preset == "nanochat":
+        return run_nanochat(name, nproc, extra, args, env)
     out = Path(args.out) / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megacpp.cli", "train", "--preset", preset, "--no-progress", f"--train.steps={args.steps}",
@@ -100,6 +108,32 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
     return result
 
 
+def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """The anchor's job: `nanochat_anchor.py` under torchrun, nanochat's copy on PYTHONPATH."""
+    out = Path(args.out) / f"{name}.json"
+    peer = Path(__file__).resolve().parents[2] / ".peers" / "nanochat"
+    env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(peer), env.get("PYTHONPATH", "")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).with_name("nanochat_anchor.py")), f"--steps={args.steps}", f"--out={out}", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (Path(args.out) / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print(f"{name}: FAILED (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}", flush=True)
+        return {"name": name, "failed": True}
+    r = json.loads(out.read_text())
+    late = r["step_s"][len(r["step_s"]) // 2:]
+    result = {"name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": r["losses"],
+              "first_step_s": r["step_s"][0], "step_ms": 1000 * statistics.median(late),
+              "tok_s_gpu": r["batch"] * r["seq"] / statistics.median(late), "mfu": r["mfu"],
+              "peak_gib": r["peak_gib"], "profile": []}
+    print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
+          f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * r['mfu']:.1f}% (nanochat's convention), "
+          f"peak {r['peak_gib']:.1f} GiB, wall {wall:.0f} s", flush=True)
+    return result
+
+
 def _tokens_per_step(run_dir: Path, nproc: int) -> int:
     """Global tokens per optimizer step, from the run's own config."""
     import tomllib
@@ -109,11 +143,15 @@ def _tokens_per_step(run_dir: Path, nproc: int) -> int:
 
 
 def scaling_pairs(names: list[str]) -> list[tuple[str, str, str]]:
-    """(several-GPU variant, 1-GPU variant, what is compared) for the `small` variants among ``names``: each
-    against the 1-GPU run of the same per-GPU batch and accumulation, and small-2-b8 against small-1 (the same
-    global batch)."""
+    """(several-GPU variant, 1-GPU variant, what is compared) for the `small` and `nanochat` variants among
+    ``names``: each against the 1-GPU run of the same per-GPU batch and accumulation, and small-2-b8 against
+    small-1 (the same global batch)."""
     pairs = []
     for name in names:
+        if (found := NANOCHAT.fullmatch(name)) and found["gpus"] != "1":
+            one = "nanochat-1" + (f"-b{found['batch']}" if found["batch"] else "")
+            if one in names:
+                pairs.append((name, one, "same per-GPU batch, nanochat's own"))
         found = SMALL.fullmatch(name)
         if found is None or found["gpus"] == "1":
             continue
@@ -144,13 +182,13 @@ def main() -> None:
         plan(name, args.gpus)
     results = {name: run_variant(name, args, env) for name in names}
 
-    print(f"\n{'variant':<12}{'GPUs':>5}{'first s':>9}{'step ms':>9}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}"
+    print(f"\n{'variant':<14}{'GPUs':>5}{'first s':>9}{'step ms':>9}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}"
           f"{'loss':>8}")
     for r in results.values():
         if r["failed"]:
-            print(f"{r['name']:<12}{'failed':>14}")
+            print(f"{r['name']:<14}{'failed':>14}")
             continue
-        print(f"{r['name']:<12}{r['gpus']:>5}{r['first_step_s']:>9.1f}{r['step_ms']:>9.0f}{r['tok_s_gpu']:>11,.0f}"
+        print(f"{r['name']:<14}{r['gpus']:>5}{r['first_step_s']:>9.1f}{r['step_ms']:>9.0f}{r['tok_s_gpu']:>11,.0f}"
               f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>10.1f}{r['losses'][-1]:>8.4f}")
     for r in results.values():
         for line in r.get("profile", []):
