@@ -207,11 +207,19 @@ def test_compiled_training_forbids_recompiles_after_warmup(tmp_path, small_corpu
     raise at once; the run completes and records zero break sites and zero late recompiles."""
     cfg = tiny_train_config(tmp_path, small_corpus, **{"compile.mode": "blocks", "compile.backend": "aot_eager",
                                                         "compile.forbid_recompiles": "true", "train.steps": "4"})
-    _run(cfg)
+    lines: list[str] = []
+    Trainer(cfg, log=lines.append, progress=False).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     summary = next(r for r in records if r["kind"] == "compile")
     assert summary["graphs"] >= 1
     assert summary["graph_break_sites"] == 0 and summary["recompiles_after_warmup"] == 0
+    # Issue 35's compile time: the first step split into phases, the compiled regions named by compile time.
+    phases = summary["first_step_phases_s"]
+    assert list(phases) == ["data", "forward", "backward", "gradient exchange", "gradient norms", "optimizer step"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and min(phases.values()) >= 0
+    (line,) = [line for line in lines if line.startswith("first step ")]
+    assert f"forward {phases['forward']:.1f} s" in line and "compile by region: " in line
+    assert "Block.forward" in line.split("compile by region: ")[1]  # blocks mode compiles each block's forward
 
 
 def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, capsys):

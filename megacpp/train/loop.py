@@ -63,6 +63,7 @@ from megacpp.train.guards import DivergenceGuard, TrainingFault, check_finite_we
 from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
+from megacpp.train.phase_clock import PhaseClock
 from megacpp.train.plan import BatchPlan, resumed_plan, trained_config
 from megacpp.train.profile import StepProfiler
 from megacpp.train.readback import Readback
@@ -108,6 +109,7 @@ class Trainer:
     def _build(self, log, progress: bool) -> None:
         tc, ctx = self.cfg.train, self.ctx
         self.device = ctx.device
+        self.phase_clock = PhaseClock(self.device)  # the first step's phases, then off
         self.out_dir = Path(tc.out_dir)
         self.log = RankLog(self.out_dir, ctx.rank, log if ctx.is_main else None) if ctx.distributed else log
         self.run_dir.log = self.log
@@ -269,6 +271,8 @@ class Trainer:
                 profiler.after_step(self.step, metrics)
                 if not self.health.warm:  # every compiled region has run once: a recompile is a regression now
                     compile_record = self._end_warmup(after_warmup)
+                    compile_record["first_step_phases_s"] = self.phase_clock.stop()
+                    self.log(self.phase_clock.line("first step") + f"; {self.slowest_compiles()}")
                     if (line := self.attempt.first_step_line(self.batch.micro_batch)) is not None:
                         self.log(line)
                 self.losses.append(loss)
@@ -417,16 +421,19 @@ class Trainer:
         reaches the weights), but it is copied to the host behind the last forward, so waiting for it
         does not wait for the last backward: the host queues the optimizer step while the GPU still
         runs the backward (on `small` that step takes more host time than device time)."""
-        plan = self.batch
+        plan, clock = self.batch, self.phase_clock
+        clock.start()
         total = torch.zeros((), device=self.device)
         last_batch = None
         loss_read = None
         self.reduce_statistics.begin_step(plan.micro_steps)
         for accum in range(plan.grad_accum):
             pieces = plan.split(next(self.data.loader))
+            clock.mark("data")
             for index, (x, y, doc_ids) in enumerate(pieces):
                 with autocast_context(self.device):
                     loss = self.model(x, y, doc_ids) / plan.micro_steps
+                clock.mark("forward")
                 self.reduce_statistics.after_forward()
                 total += loss.detach()
                 last_batch = (x, doc_ids)
@@ -435,18 +442,29 @@ class Trainer:
                     loss_read = Readback(self.votes.queue(reductions))
                     self.parallel.before_last_backward()
                 loss.backward()
+                clock.mark("backward")
         self.parallel.after_backward()
         self.reduce_statistics()
         read = loss_read.result()
+        clock.mark("gradient exchange")
         self.votes.record(read)
         value = read["reduced"] / self.ctx.world_size
         if not math.isfinite(value):
             stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
+        clock.mark("gradient norms")
         self.stack.step()
         run_after_optimizer_step(self.model)
+        clock.mark("optimizer step")
         self.stack.zero_grad()
         return value
+
+    def slowest_compiles(self, count: int = 4) -> str:
+        """The compiled regions that took longest to compile (the backward's graphs count in the step's
+        backward phase, not here)."""
+        stats = sorted(self.health.snapshot().values(), key=lambda s: s.compile_time_s, reverse=True)
+        named = ", ".join(f"{s.name} {s.compile_time_s:.1f} s" for s in stats[:count] if s.compile_time_s > 0)
+        return f"compile by region: {named}" if named else "nothing compiled"
 
     def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None,
                           during: str | None = None, redo: str | None = None) -> None:
