@@ -677,7 +677,10 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
       Splitting head_dim over programs instead was slower in both directions (0.86–1.55, 3.30–4.38).
       fp32 operands, not timed, take 32 columns and 4 warps forward, 8 backward (no spills at `small`
       and `nam52`)."""
-    block_p = _pow2(head_dim, 16)
+    # At least 32 rows of head_dim per tile: at 16 (head_dim 16, fp32 operands, chunks of 64) Triton 3.6's
+    # output kernel read past its shared memory on an H100 (compute-sanitizer; a 300-token prefill faulted),
+    # while 32-row tiles, masked down to 16, ran clean. Presets have head_dim >= 32.
+    block_p = _pow2(head_dim, 32)
     pairs = min(_pow2(d_state // 2, 8), 16)  # 2 * pairs >= 16: tl.dot's smallest extent
     mid = min(_pow2(d_state // 2, 8), 32)
     narrow = matmul_dtype.itemsize == 2
