@@ -63,3 +63,15 @@ def test_tier1_nanochat_runs_pair_with_the_one_gpu_anchor_of_their_batch(bench):
         ("nanochat-2", "nanochat-1", "same per-GPU batch, nanochat's own"),
         ("nanochat-4", "nanochat-1", "same per-GPU batch, nanochat's own"),
         ("small-4", "small-1", "same per-GPU batch, auto")]
+
+
+def test_tier1_each_ranks_first_step_split_is_read_from_its_log(bench, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank10.log").write_text("2026-11-26 10:00:03 first step 9.0 s: forward 9.0 s\n")
+    (logs / "rank2.log").write_text("2026-11-26 10:00:01 warmup done\n"
+                                    "2026-11-26 10:00:02 first step 72.9 s: data 0.0 s, backward 35.0 s\n"
+                                    "2026-11-26 10:00:02 auto-fit attempt 1: first step done 83.2 s after\n")
+    (logs / "rank3.log").write_text("2026-11-26 10:00:01 out of memory\n")
+    assert bench._first_step_lines(tmp_path) == ["rank2: first step 72.9 s: data 0.0 s, backward 35.0 s",
+                                                 "rank10: first step 9.0 s: forward 9.0 s"]

@@ -101,6 +101,7 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
         "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in train),
         "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
         "profile": [line for line in (proc.stdout + proc.stderr).splitlines() if "profile, steps" in line],
+        "first_steps": _first_step_lines(out),
     }
     print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
           f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%, peak {result['peak_gib']:.1f} GiB, "
@@ -132,6 +133,17 @@ def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespa
           f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * r['mfu']:.1f}% (nanochat's convention), "
           f"peak {r['peak_gib']:.1f} GiB, wall {wall:.0f} s", flush=True)
     return result
+
+
+def _first_step_lines(run_dir: Path) -> list[str]:
+    """Each rank's split of its first step (from ``logs/rank<R>.log``; the run log has rank 0's only): a
+    rank that waits in a collective for a slower rank's compile shows it there."""
+    lines = []
+    for log in sorted((run_dir / "logs").glob("rank*.log"), key=lambda f: int(f.stem[4:])):
+        messages = [line.split(" ", 2)[-1] for line in log.read_text().splitlines()]  # past the time stamp
+        found = [message for message in messages if message.startswith("first step ")]
+        lines += [f"{log.stem}: {found[0]}"] if found else []
+    return lines
 
 
 def _tokens_per_step(run_dir: Path, nproc: int) -> int:
@@ -193,6 +205,8 @@ def main() -> None:
     for r in results.values():
         for line in r.get("profile", []):
             print(f"{r['name']}: {line.split('profile, ', 1)[1]}")
+        for line in r.get("first_steps", []):
+            print(f"{r['name']}: {line}")
     ok = {name: r for name, r in results.items() if not r["failed"]}
     for two, one, what in scaling_pairs(list(ok)):
         print(f"{two} vs {one} ({what}): {100 * ok[two]['tok_s_gpu'] / ok[one]['tok_s_gpu']:.1f}% per GPU")
