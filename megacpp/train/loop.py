@@ -460,8 +460,8 @@ class Trainer:
         return value
 
     def slowest_compiles(self, count: int = 4) -> str:
-        """The compiled regions that took longest to compile (the backward's graphs count in the step's
-        backward phase, not here)."""
+        """The compiled regions that took longest to compile, each with its backward graphs' lazy compile
+        (which the phase clock counts in the step's backward)."""
         stats = sorted(self.health.snapshot().values(), key=lambda s: s.compile_time_s, reverse=True)
         named = ", ".join(f"{s.name} {s.compile_time_s:.1f} s" for s in stats[:count] if s.compile_time_s > 0)
         return f"compile by region: {named}" if named else "nothing compiled"

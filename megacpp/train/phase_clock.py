@@ -2,10 +2,11 @@
 
 The first step compiles: Dynamo and Inductor build the forward's regions when they are first called,
 the backward's graphs when the backward first runs, and the optimizer step's graph inside its first
-call. On `small` that step took 121-156 s against `dense`'s 40-48 s (issue 35) and the per-region
-compile times alone do not say it, since the backward's graphs compile outside any region's frame.
-The clock splits the step into its phases, waiting for the device at each mark so a phase's kernels
-count in it; it runs only until warmup ends, since those waits would cost a steady step its overlap.
+call. On `small` that step took 121-156 s against `dense`'s 40-48 s (issue 35). The per-region compile
+times do not say which phase paid them (a region's backward graphs compile lazily, inside the backward)
+nor what else the step waited for (a collective held by a slower rank). The clock splits the step into
+its phases, waiting for the device at each mark so a phase's kernels count in it; it runs only until
+warmup ends, since those waits would cost a steady step its overlap.
 """
 from __future__ import annotations
 
