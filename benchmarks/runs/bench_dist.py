@@ -74,25 +74,19 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
     if preset == "nanochat":
         return run_nanochat(name, nproc, extra, args, env)
     out = Path(args.out) / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megacpp.cli", "train", "--preset", preset, "--no-progress", f"--train.steps={args.steps}",
-           f"--train.out_dir={out}", f"--train.eval_every={args.steps}", f"--train.ckpt_every={args.steps}",
-           "--train.sample_tokens=16", "--train.tensorboard=false", "--train.eval_batches=4",
-           *extra, *(f"--{kv}" for kv in args.set)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    log = Path(args.out) / f"{name}.log"
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        print(f"{name}: FAILED (exit {proc.returncode}); tail of {log}:\n{(proc.stdout + proc.stderr)[-4000:]}",
-              flush=True)
+    job = _torchrun(name, nproc, [
+        "-m", "megacpp.cli", "train", "--preset", preset, "--no-progress", f"--train.steps={args.steps}",
+        f"--train.out_dir={out}", f"--train.eval_every={args.steps}", f"--train.ckpt_every={args.steps}",
+        "--train.sample_tokens=16", "--train.tensorboard=false", "--train.eval_batches=4",
+        *extra, *(f"--{kv}" for kv in args.set)], args, env)
+    if job is None:
         return {"name": name, "failed": True}
+    output, wall = job
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     late = train[len(train) // 2:]
     tokens_per_step = _tokens_per_step(out, nproc)
-    result = {
+    return _reported({
         "name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": [r["loss"] for r in train],
         "first_step_s": tokens_per_step / train[0]["tok_per_s"],
         "step_ms": 1000 * statistics.median(tokens_per_step / r["tok_per_s"] for r in late),
@@ -100,13 +94,9 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
         "mfu": statistics.median(r.get("mfu", 0.0) for r in late),
         "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in train),
         "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
-        "profile": [line for line in (proc.stdout + proc.stderr).splitlines() if "profile, steps" in line],
+        "profile": [line for line in output.splitlines() if "profile, steps" in line],
         "first_steps": _first_step_lines(out),
-    }
-    print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
-          f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%, peak {result['peak_gib']:.1f} GiB, "
-          f"final loss {result['losses'][-1]:.4f}, wall {wall:.0f} s", flush=True)
-    return result
+    })
 
 
 def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict:
@@ -114,24 +104,41 @@ def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespa
     out = Path(args.out) / f"{name}.json"
     peer = Path(__file__).resolve().parents[2] / ".peers" / "nanochat"
     env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(peer), env.get("PYTHONPATH", "")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).with_name("nanochat_anchor.py")), f"--steps={args.steps}", f"--out={out}", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    (Path(args.out) / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        print(f"{name}: FAILED (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}", flush=True)
+    job = _torchrun(name, nproc, [str(Path(__file__).with_name("nanochat_anchor.py")), f"--steps={args.steps}",
+                                  f"--out={out}", *extra], args, env)
+    if job is None:
         return {"name": name, "failed": True}
     r = json.loads(out.read_text())
     late = r["step_s"][len(r["step_s"]) // 2:]
-    result = {"name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": r["losses"],
-              "first_step_s": r["step_s"][0], "step_ms": 1000 * statistics.median(late),
-              "tok_s_gpu": r["batch"] * r["seq"] / statistics.median(late), "mfu": r["mfu"],
-              "peak_gib": r["peak_gib"], "profile": []}
-    print(f"{name}: {nproc} GPU(s), first step {result['first_step_s']:.1f} s, step {result['step_ms']:.0f} ms, "
-          f"{result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * r['mfu']:.1f}% (nanochat's convention), "
-          f"peak {r['peak_gib']:.1f} GiB, wall {wall:.0f} s", flush=True)
+    return _reported({"name": name, "failed": False, "gpus": nproc, "wall": job[1], "losses": r["losses"],
+                      "first_step_s": r["step_s"][0], "step_ms": 1000 * statistics.median(late),
+                      "tok_s_gpu": r["batch"] * r["seq"] / statistics.median(late), "mfu": r["mfu"],
+                      "peak_gib": r["peak_gib"], "profile": []}, " (nanochat's convention)")
+
+
+def _torchrun(name: str, nproc: int, target: list[str], args: argparse.Namespace,
+              env: dict[str, str]) -> tuple[str, float] | None:
+    """A fresh ``torchrun --standalone`` job of `target` on `nproc` GPUs, its output kept in --out/NAME.log:
+    (output, wall seconds), or None with the output's tail printed when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    output = proc.stdout + proc.stderr
+    log = Path(args.out) / f"{name}.log"
+    log.write_text(output)
+    if proc.returncode != 0:
+        print(f"{name}: FAILED (exit {proc.returncode}); tail of {log}:\n{output[-4000:]}", flush=True)
+        return None
+    return output, wall
+
+
+def _reported(result: dict, mfu_convention: str = "") -> dict:
+    """`result`, once its line is printed."""
+    print(f"{result['name']}: {result['gpus']} GPU(s), first step {result['first_step_s']:.1f} s, step "
+          f"{result['step_ms']:.0f} ms, {result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%"
+          f"{mfu_convention}, peak {result['peak_gib']:.1f} GiB, final loss {result['losses'][-1]:.4f}, "
+          f"wall {result['wall']:.0f} s", flush=True)
     return result
 
 

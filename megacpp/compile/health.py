@@ -340,6 +340,13 @@ class CompileHealth:
             total.failures += [f"{s.name}: {f}" for f in s.failures]
         return total
 
+    def slowest(self, count: int = 4) -> str:
+        """The `count` callsites that took longest to compile, each with its backward graphs' lazy compile,
+        as ``compile by region: NAME 33.1 s, ...``."""
+        stats = sorted(self.snapshot().values(), key=lambda s: s.compile_time_s, reverse=True)
+        named = ", ".join(f"{s.name} {s.compile_time_s:.1f} s" for s in stats[:count] if s.compile_time_s > 0)
+        return f"compile by region: {named}" if named else "nothing compiled"
+
     def summary(self) -> dict[str, float]:
         """The run's compile figures, for its metrics record."""
         totals = self.totals()

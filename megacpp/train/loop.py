@@ -272,7 +272,7 @@ class Trainer:
                 if not self.health.warm:  # every compiled region has run once: a recompile is a regression now
                     compile_record = self._end_warmup(after_warmup)
                     compile_record["first_step_phases_s"] = self.phase_clock.stop()
-                    self.log(self.phase_clock.line("first step") + f"; {self.slowest_compiles()}")
+                    self.log(self.phase_clock.line("first step") + f"; {self.health.slowest()}")
                     if (line := self.attempt.first_step_line(self.batch.micro_batch)) is not None:
                         self.log(line)
                 self.losses.append(loss)
@@ -458,13 +458,6 @@ class Trainer:
         clock.mark("optimizer step")
         self.stack.zero_grad()
         return value
-
-    def slowest_compiles(self, count: int = 4) -> str:
-        """The compiled regions that took longest to compile, each with its backward graphs' lazy compile
-        (which the phase clock counts in the step's backward)."""
-        stats = sorted(self.health.snapshot().values(), key=lambda s: s.compile_time_s, reverse=True)
-        named = ", ".join(f"{s.name} {s.compile_time_s:.1f} s" for s in stats[:count] if s.compile_time_s > 0)
-        return f"compile by region: {named}" if named else "nothing compiled"
 
     def _stop_interrupted(self, watchdog: StepWatchdog | None, just_saved: Path | None,
                           during: str | None = None, redo: str | None = None) -> None:
