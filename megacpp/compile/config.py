@@ -8,6 +8,7 @@ from megacpp.rules import NON_NEGATIVE, ConfigSection, Interval
 
 CompileMode = Literal["none", "model", "blocks"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
+OptimizerHelper = Literal["auto", "on", "off"]
 MODES = get_args(CompileMode)
 BACKENDS = get_args(CompileBackend)
 
@@ -31,6 +32,9 @@ class CompileConfig(ConfigSection):
     # before the first compile, file by file verified, under the cache's lock (once per host: the other
     # ranks find it current and skip); "" = none.
     import_cache: str = ""
+    # Compile the optimizer step in a helper process while the model compiles (megacpp.train.step_prewarm):
+    # auto = on CUDA when the helper's copy of the step's tensors is at most a tenth of the card.
+    optimizer_helper: OptimizerHelper = "auto"
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacpp.optim.hparams import StepCall, gradient_stand_in
 from megacpp.optim.local import is_sharded, shard_dim
 from megacpp.optim.muon import (
     Bucket,
@@ -115,6 +116,12 @@ class ShardedMuon(Muon):
         p = bucket.params[0]
         dim = shard_dim(p)
         return p.ndim == 2 and dim is not None and p.device_mesh.size(dim) > 1
+
+    def first_step_call(self) -> StepCall | None:
+        """None where a bucket is row-sharded: its step is several compiled calls around collectives."""
+        if any(self._row_sharded(b) for b in self.buckets(gradient_stand_in)):
+            return None
+        return super().first_step_call()
 
     def step_buckets(self, buckets: list[Bucket]) -> None:
         """Stacked parameters (whole matrices on each rank) as on one device; row-sharded ones through

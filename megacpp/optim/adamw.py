@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.hparams import GradientOf, StepCall, TensorHParamOptimizer, gradient, gradient_stand_in
 from megacpp.optim.local import local_tensor
 from megacpp.optim.state_dtype import state_dtype, state_dtype_name
 
@@ -118,18 +118,29 @@ class AdamW(TensorHParamOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = self._work(gradient)
+        if work:
+            self._run(adamw_step, work, not self.compile_step)
+        return loss
+
+    def first_step_call(self) -> StepCall | None:
+        work = self._work(gradient_stand_in) if self.compile_step else []
+        if not work:
+            return None
+        return StepCall(adamw_step, (work, False), self.compile_backend)
+
+    def _work(self, grad_of: GradientOf) -> list[tuple[Any, ...]]:
+        """`adamw_update`'s arguments per group with gradients: each rank's local tensors."""
         work: list[tuple[Any, ...]] = []
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
+            ps = [p for p in group["params"] if grad_of(p) is not None]
             if not ps:
                 continue
             states = [self.init_state(p, group) for p in ps]
             work.append((
-                [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+                [local_tensor(p) for p in ps], [local_tensor(grad_of(p)) for p in ps],
                 [local_tensor(s["exp_avg"]) for s in states], [local_tensor(s["exp_avg_sq"]) for s in states],
                 [s["step"] for s in states],
                 group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"], self.grad_scale,
             ))
-        if work:
-            self._run(adamw_step, work, not self.compile_step)
-        return loss
+        return work

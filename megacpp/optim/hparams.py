@@ -8,11 +8,38 @@ graph's inputs unchanged: no recompile, no host sync.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from megacpp.optim.local import local_tensor
+
+GradientOf = Callable[[Tensor], Tensor | None]
+
+
+class StepCall(NamedTuple):
+    """The one compiled call of an optimizer's step: what `_run` would compile, with its arguments. A
+    helper process compiles it from a description while the model compiles (megacpp.compile.prewarm)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    backend: str
+
+
+def gradient(p: Tensor) -> Tensor | None:
+    """The gradient a step reads: the backward's."""
+    return p.grad
+
+
+def gradient_stand_in(p: Tensor) -> Tensor | None:
+    """What p's local gradient will look like after the backward (shape, strides, dtype), as a meta
+    tensor: describes a step before any backward ran. None for a parameter that gets no gradient."""
+    if not p.requires_grad:
+        return None
+    local = local_tensor(p)
+    return torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta")
 
 
 class TensorHParamOptimizer(Optimizer):
@@ -67,6 +94,12 @@ class TensorHParamOptimizer(Optimizer):
 
     def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Undo torch's load-time casts (every floating state tensor to the param's dtype)."""
+
+    def first_step_call(self) -> StepCall | None:
+        """The compiled call the next step makes when every parameter that requires a gradient has one,
+        with `gradient_stand_in`s for the gradients (and for `grad_scale`, which the caller sets). Creates
+        the state that step would create. None: the step runs eagerly, or is not one compiled call."""
+        return None
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, eagerly or through its one ``torch.compile(fullgraph=True)`` graph."""

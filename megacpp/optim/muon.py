@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from megacpp.optim.config import LR_SCALINGS
-from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.hparams import GradientOf, StepCall, TensorHParamOptimizer, gradient, gradient_stand_in
 from megacpp.optim.local import is_sharded, local_tensor
 from megacpp.optim.muon_spec import second_moment_shape
 from megacpp.optim.orthogonalize import (
@@ -271,14 +271,14 @@ class Muon(TensorHParamOptimizer):
         if "second_moment" in state:
             state["second_moment"] = state["second_moment"].float()
 
-    def buckets(self) -> list[Bucket]:
+    def buckets(self, grad_of: GradientOf = gradient) -> list[Bucket]:
         """Parameters with gradients, grouped by (group, shape, dtype, device), in a fixed order."""
         found: list[Bucket] = []
         for group in self.param_groups:
             coefficients = coefficient_schedule(group["coefficients"], group["ns_steps"])
             by_key: dict[tuple[Any, ...], list[Tensor]] = {}
             for p in group["params"]:
-                if p.grad is not None:
+                if grad_of(p) is not None:
                     by_key.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
             for (shape, _, _), ps in by_key.items():
                 plan = BucketPlan(
@@ -289,12 +289,12 @@ class Muon(TensorHParamOptimizer):
                 found.append(Bucket(ps, group, plan))
         return found
 
-    def bucket_work(self, bucket: Bucket) -> tuple[Any, ...]:
+    def bucket_work(self, bucket: Bucket, grad_of: GradientOf = gradient) -> tuple[Any, ...]:
         """`muon_update`'s tensor arguments for a bucket: each rank's local tensors."""
         ps, group = bucket.params, bucket.group
         states = [self.init_state(p, group) for p in ps]
         return (
-            [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+            [local_tensor(p) for p in ps], [local_tensor(grad_of(p)) for p in ps],
             [local_tensor(s["momentum_buffer"]) for s in states],
             [local_tensor(s["second_moment"]) for s in states] if group["variance_reduction"] else [],
             group["lr"], group["weight_decay"], group["momentum"], group["beta2"], self.grad_scale,
@@ -313,6 +313,13 @@ class Muon(TensorHParamOptimizer):
         """Step whole matrices: all buckets in one (optionally compiled) call."""
         if buckets:
             self._run(muon_step, [self.bucket_work(b) for b in buckets], tuple(b.plan for b in buckets))
+
+    def first_step_call(self) -> StepCall | None:
+        buckets = self.buckets(gradient_stand_in) if self.compile_step else []
+        if not buckets:
+            return None
+        work = [self.bucket_work(b, gradient_stand_in) for b in buckets]
+        return StepCall(muon_step, (work, tuple(b.plan for b in buckets)), self.compile_backend)
 
 
 def torch_muon_compatible(

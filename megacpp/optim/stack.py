@@ -31,7 +31,7 @@ from megacpp.model.hints import ParamHint
 from megacpp.optim.clip import MuonClip
 from megacpp.optim.config import OptimConfig
 from megacpp.optim.groups import format_routing_table, route_parameters
-from megacpp.optim.hparams import TensorHParamOptimizer
+from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
 from megacpp.optim.local import full_value
 from megacpp.optim.registry import OPTIMIZERS
 from megacpp.optim.route import Route
@@ -106,6 +106,22 @@ class OptimizerStack:
             metrics.update(self.spectral_cap.apply())
         self.scheduler.step()
         self.metrics = metrics
+
+    def first_step_calls(self) -> list[StepCall]:
+        """The compiled calls of the next step, of each optimizer that makes one (`first_step_call`),
+        with the clip coefficient's stand-in where the step will pass one: what a helper process can
+        compile while the model compiles (megacpp.compile.prewarm)."""
+        scale = torch.empty((), device="meta") if self.grad_clip_norm > 0 else None
+        calls = []
+        for opt in self.optimizers:
+            opt.grad_scale = scale
+            try:
+                call = opt.first_step_call()
+            finally:
+                opt.grad_scale = None
+            if call is not None:
+                calls.append(call)
+        return calls
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every routed parameter, those stepped by another rank's stack too."""

@@ -72,6 +72,7 @@ from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
 from megacpp.train.rundir import start_over
 from megacpp.train.sample import end_of_run_sample
+from megacpp.train.step_prewarm import StepPrewarm, skip_reason
 from megacpp.train.votes import StopVotes
 from megacpp.versions import torch_version
 
@@ -146,6 +147,7 @@ class Trainer:
                                       owns=self.parallel.owns if self.parallel.shards_optimizer_by_owner else None,
                                       after_optimizers=self.parallel.after_optimizers,
                                       grad_norm=self.parallel.grad_norm)
+        self.step_prewarm, self.step_prewarm_note = self._start_step_prewarm()
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx, self.parallel.experts)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
@@ -168,9 +170,24 @@ class Trainer:
         """Release the run directory and leave the process group (every exit path: a live group keeps
         peers waiting); ``orderly`` at the end of a run that every rank finished."""
         self.run_dir.release()
+        if getattr(self, "step_prewarm", None) is not None:  # the run ended before its first optimizer step
+            self.step_prewarm.stop()
         if hasattr(self, "parallel"):  # built once the model is
             self.parallel.close()
         self.ctx.close(orderly)
+
+    def _start_step_prewarm(self) -> tuple[StepPrewarm | None, str]:
+        """The helper that compiles the optimizer step while the model compiles, if one starts; and the
+        run header's note on it."""
+        calls = self.stack.first_step_calls()
+        reason = skip_reason(self.cfg.compile.optimizer_helper, calls, self.device)
+        if reason is not None:
+            return None, f"optimizer helper: none ({reason})"
+        suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
+        prewarm = StepPrewarm.start(calls, self.device, self.cfg.train.deterministic, self.cfg.compile,
+                                    self.out_dir / "logs", suffix)
+        return prewarm, (f"optimizer helper: compiling {', '.join(prewarm.processes)} beside the model "
+                         f"(logs: {self.out_dir / 'logs'}/optimizer_helper.*)")
 
     def _claim(self, resume: bool) -> None:
         self.run_dir.claim(resume)
@@ -401,6 +418,7 @@ class Trainer:
             f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}"
             + (f"; {self.parallel.describe()}" if self.ctx.distributed else ""),
             self.compile_status.format(),
+            self.step_prewarm_note,
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             self.parameter_table,
@@ -453,7 +471,12 @@ class Trainer:
             stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         clock.mark("gradient norms")
+        prewarm, self.step_prewarm = self.step_prewarm, None
+        if prewarm is not None:
+            self.log(prewarm.wait())
         self.stack.step()
+        if prewarm is not None:
+            self.log(prewarm.cache_line())
         run_after_optimizer_step(self.model)
         clock.mark("optimizer step")
         self.stack.zero_grad()

@@ -211,7 +211,7 @@ def attempt_from_env() -> Attempt:
     then told to kill with its supervisor), else a plain `Attempt`."""
     if ATTEMPT_ENV not in os.environ:
         return Attempt()
-    _die_with_parent(int(os.environ[PARENT_ENV]))
+    die_with_parent(int(os.environ[PARENT_ENV]))
     return SupervisedAttempt(int(os.environ[ATTEMPT_ENV]), Path(os.environ[REPORT_ENV]),
                              float(os.environ[SPAWNED_ENV]))
 
@@ -226,12 +226,13 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when the supervisor dies (even by SIGKILL): an orphaned
-    training process would go on holding the GPU and writing checkpoints. Linux only."""
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent (pid `parent`: the supervisor of a training
+    process, the trainer of an optimizer helper) dies, even by SIGKILL: an orphan would go on holding the
+    GPU. Linux only."""
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the supervisor died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect
         _exit(128 + signal.SIGKILL)

@@ -1,0 +1,269 @@
+"""The optimizer step compiled by a helper process while the trainer compiles the model.
+
+A cold first step compiles the model (forward, then backward) and then the optimizer step, one after the
+other in one process: `small` on an H100 spent 62 + 12 s on the model and 82 s on the step (`muon_step`
+58 s, `adamw_step` 18 s; BENCHMARKS.md, compilation). The step's graphs depend only on the shapes of
+the parameters and of their state, known before the first forward. So a helper process compiles them from
+a description (shapes, strides, dtypes: no values) into the on-disk caches the trainer uses (FX graph,
+AOTAutograd, Triton), while the trainer compiles the model; the trainer's own compile of the step, at the
+end of the first step, then loads from those caches.
+
+The helper repeats what the trainer set that enters the cache keys (the run mode and the compile settings:
+`configure_mode`, `prepare_compile`), runs the calls under no_grad as the step does, and holds its own
+copy of the step's tensors on the device while it compiles: `auto` starts it on CUDA only when that copy
+is at most a tenth of the card. A description that misses the cache costs only the helper's time: the
+step compiles itself, as it did before.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megacpp.compile.config import CompileConfig
+from megacpp.compile.entry import prepare_compile
+from megacpp.optim.hparams import StepCall
+from megacpp.train.autofit.attempt import die_with_parent
+from megacpp.train.determinism import configure_mode
+
+# `auto` starts the helper only when its copy of the step's tensors is at most this share of the card:
+# the trainer's first forward runs beside it.
+HELPER_MEMORY_SHARE = 0.10
+WAIT_TIMEOUT_S = 1800.0  # longer than any cold compile measured (nam52's step: 98 s): a hung helper is killed
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a compiled graph keys on of an input tensor. device None: the call's device (a stand-in).
+    identity: equal for every place one tensor object fills (a group's lr in each of its buckets): the
+    graph takes it once, so the copy must be one tensor there too."""
+
+    identity: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str | None
+    parameter: bool
+
+    @property
+    def nbytes(self) -> int:
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
+        return extent * self.dtype.itemsize
+
+
+def describe(value: Any) -> Any:
+    """`value` with every tensor replaced by its `TensorSpec`, through lists and plain tuples (named
+    tuples, like a Muon bucket's plan, are constants of the graph and kept as they are)."""
+    specs: dict[int, TensorSpec] = {}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if id(v) not in specs:
+                device = None if v.device.type == "meta" else str(v.device)
+                specs[id(v)] = TensorSpec(len(specs), tuple(v.shape), tuple(v.stride()), v.dtype, device,
+                                          isinstance(v, nn.Parameter))
+            return specs[id(v)]
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if type(v) is tuple:
+            return tuple(walk(x) for x in v)
+        return v
+
+    return walk(value)
+
+
+def materialize(value: Any, device: torch.device) -> Any:
+    """`describe`'s inverse: a fresh zero tensor for each spec (parameters as nn.Parameter), one per identity."""
+    made: dict[int, Tensor] = {}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, TensorSpec):
+            if v.identity not in made:
+                tensor = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=v.device or device).zero_()
+                made[v.identity] = nn.Parameter(tensor) if v.parameter else tensor
+            return made[v.identity]
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if type(v) is tuple:
+            return tuple(walk(x) for x in v)
+        return v
+
+    return walk(value)
+
+
+def spec_bytes(value: Any) -> int:
+    """Device bytes `materialize` allocates for `value` (each identity once)."""
+    specs: dict[int, TensorSpec] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, TensorSpec):
+            specs[v.identity] = v
+        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            for x in v:
+                walk(x)
+
+    walk(value)
+    return sum(s.nbytes for s in specs.values())
+
+
+@dataclass(frozen=True)
+class HelperJob:
+    """What one helper process reads: a call to compile and the settings that key its caches."""
+
+    call: StepCall  # args described
+    device: str
+    deterministic: bool
+    compile: CompileConfig
+
+
+def skip_reason(setting: str, calls: list[StepCall], device: torch.device) -> str | None:
+    """Why no helper starts under `compile.optimizer_helper = setting` (None: they start)."""
+    if setting == "off":
+        return "compile.optimizer_helper is off"
+    if not calls:
+        return "the optimizer step is not compiled"
+    if setting == "on":
+        return None
+    if device.type != "cuda":
+        return f"auto starts them on CUDA only (device {device})"
+    need = sum(spec_bytes(describe(c.args)) for c in calls)
+    card = torch.cuda.get_device_properties(device).total_memory
+    if need > HELPER_MEMORY_SHARE * card:
+        return (f"their copy of the step's tensors ({need / 2**30:.1f} GiB) is more than "
+                f"{HELPER_MEMORY_SHARE:.0%} of the card ({card / 2**30:.0f} GiB)")
+    return None
+
+
+class StepPrewarm:
+    """Helper processes, one per compiled call of the step (`muon_step` and `adamw_step` compile side by
+    side: 58 and 18 s on an H100); `wait` for them before the first optimizer step."""
+
+    def __init__(self, processes: dict[str, subprocess.Popen], logs: dict[str, Path],
+                 spec_dir: tempfile.TemporaryDirectory) -> None:
+        self.processes = processes
+        self.logs = logs
+        self._spec_dir = spec_dir
+        self._cache_counts: tuple[int, int] | None = None
+
+    @classmethod
+    def start(cls, calls: list[StepCall], device: torch.device, deterministic: bool, compile_cfg: CompileConfig,
+              log_dir: Path, suffix: str = "") -> StepPrewarm:
+        """Describe each call and start its helper; helper output goes to
+        ``log_dir/optimizer_helper.<function><suffix>.log``."""
+        spec_dir = tempfile.TemporaryDirectory(prefix="megacpp-step-prewarm-")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # The helpers import this very megacpp, whatever put it on this process's path.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        processes, logs = {}, {}
+        for call in calls:
+            name = call.fn.__name__
+            spec = Path(spec_dir.name) / f"{name}.pkl"
+            spec.write_bytes(pickle.dumps(HelperJob(call._replace(args=describe(call.args)), str(device),
+                                                    deterministic, compile_cfg)))
+            logs[name] = log_dir / f"optimizer_helper.{name}{suffix}.log"
+            with open(logs[name], "w") as log:
+                processes[name] = subprocess.Popen([sys.executable, "-m", __name__, str(spec), str(os.getpid())],
+                                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        return cls(processes, logs, spec_dir)
+
+    def wait(self, timeout_s: float = WAIT_TIMEOUT_S) -> str:
+        """Wait for the helpers (stopping them after `timeout_s`); a line for the run log. `cache_line`
+        after the step says whether the step's compile found the helpers' graphs."""
+        began = time.perf_counter()
+        outcomes = []
+        try:
+            for name, process in self.processes.items():
+                left = max(0.0, timeout_s - (time.perf_counter() - began))
+                try:
+                    code = process.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    outcomes.append(f"{name} still compiling after {timeout_s:.0f} s, stopped (log: {self.logs[name]})")
+                    continue
+                log = self.logs[name]
+                report = _report(log)
+                outcomes.append(f"{name} {report['compiled_s']:.1f} s" if code == 0 and "compiled_s" in report
+                                else f"{name} failed (exit {code}: {report.get('error', 'no report')}; log: {log})")
+        finally:
+            self.stop()
+        self._cache_counts = _fx_cache_counts()
+        return (f"optimizer step compiled beside the model by helper processes: {', '.join(outcomes)}; "
+                f"the step waited {time.perf_counter() - began:.1f} s for them")
+
+    def cache_line(self) -> str:
+        """After the first step: how many of the step's graphs came from the cache the helpers filled."""
+        if self._cache_counts is None:
+            return ""
+        hits, misses = (now - before for now, before in zip(_fx_cache_counts(), self._cache_counts, strict=True))
+        return f"optimizer step graphs from the helpers' cache: {hits} of {hits + misses}"
+
+    def stop(self) -> None:
+        """End the helpers that still run (the run stopped before its first optimizer step)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self._spec_dir.cleanup()
+
+
+def _report(log: Path) -> dict[str, Any]:
+    """The JSON line a helper ends with: {"compiled_s": seconds} or {"error": its exception}."""
+    lines = log.read_text(errors="replace").splitlines()
+    return next((json.loads(x) for x in reversed(lines) if x.startswith(('{"compiled_s"', '{"error"'))), {})
+
+
+def _fx_cache_counts() -> tuple[int, int]:
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+
+
+def run_job(job: HelperJob) -> float:
+    """Compile `job`'s call in this process, with the trainer's settings; its seconds."""
+    configure_mode(job.deterministic)
+    prepare_compile(job.compile)
+    device = torch.device(job.device)
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device, as in the trainer
+        torch.cuda.set_device(device)
+    with torch.no_grad():
+        args = materialize(job.call.args, device)
+        started = time.perf_counter()
+        torch.compile(job.call.fn, fullgraph=True, backend=job.call.backend)(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megacpp.train.step_prewarm JOB_PICKLE TRAINER_PID`: compile the job, print its report."""
+    spec, trainer = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(trainer))  # a helper outliving its trainer would hold GPU memory for nothing
+    try:
+        seconds = run_job(pickle.loads(Path(spec).read_bytes()))
+    except Exception as exc:
+        traceback.print_exc()
+        root = exc  # Dynamo wraps an error raised while tracing: the innermost one names what happened
+        while (root.__cause__ or root.__context__) is not None:
+            root = root.__cause__ or root.__context__
+        first = (str(root).strip().splitlines() or [""])[0]
+        print(json.dumps({"error": f"{type(root).__name__}: {first}"[:300]}), flush=True)
+        return 1
+    print(json.dumps({"compiled_s": round(seconds, 2)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as the package's module, not as __main__: the job was pickled with that module's classes.
+    from megacpp.train import step_prewarm
+
+    sys.exit(step_prewarm.main())

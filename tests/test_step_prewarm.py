@@ -1,0 +1,145 @@
+"""The optimizer step compiled by helper processes (megacpp.train.step_prewarm): the description of a call
+round-trips, describes exactly the call the step then makes, and a helper's graphs are the step's (the
+step's own compile then loads them from the cache)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from megacpp.compile.config import CompileConfig
+from megacpp.optim import OptimConfig, build_optimizers
+from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
+from megacpp.train.step_prewarm import StepPrewarm, TensorSpec, describe, materialize, skip_reason, spec_bytes
+from tests.test_optim_standins import TinyHybrid, batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Plan(NamedTuple):
+    split: tuple[int, ...]
+    scale: float
+
+
+def test_description_round_trips_shapes_strides_identity_and_constants():
+    shared = torch.ones(3, dtype=torch.float64)
+    param = nn.Parameter(torch.randn(4, 6))
+    transposed = torch.randn(6, 4).t()  # strides (1, 4)
+    stand_in = torch.empty_strided((5, 2), (1, 5), dtype=torch.bfloat16, device="meta")
+    plan = Plan((2, 3), 0.5)
+    value = ([param, transposed], (shared, stand_in, plan), [shared], 7)
+
+    spec = describe(value)
+    made = materialize(spec, torch.device("cpu"))
+
+    (m_param, m_transposed), (m_shared, m_stand_in, m_plan), (m_shared_again,), number = made
+    assert isinstance(m_param, nn.Parameter) and not isinstance(m_transposed, nn.Parameter)
+    for original, copy in [(param, m_param), (transposed, m_transposed), (shared, m_shared)]:
+        assert (copy.shape, copy.stride(), copy.dtype) == (original.shape, original.stride(), original.dtype)
+        assert torch.equal(copy, torch.zeros_like(original))
+    assert (m_stand_in.shape, m_stand_in.stride(), m_stand_in.dtype) == ((5, 2), (1, 5), torch.bfloat16)
+    assert m_stand_in.device.type == "cpu"
+    assert m_shared_again is m_shared  # one tensor in two places stays one tensor
+    assert m_plan is plan and number == 7
+    assert isinstance(spec[1][1], TensorSpec) and spec[1][1].device is None
+    # param 24 x 4 B, transposed 24 x 4 B, shared 3 x 8 B once, the stand-in's extent 1 + 4 + 5 = 10 x 2 B
+    assert spec_bytes(spec) == 96 + 96 + 24 + 20
+
+
+def _normalized(spec):
+    """A description with stand-ins' device (None: the call's) read as the CPU's."""
+    if isinstance(spec, TensorSpec):
+        return dataclasses.replace(spec, device=spec.device or "cpu")
+    if isinstance(spec, list):
+        return [_normalized(v) for v in spec]
+    if type(spec) is tuple:
+        return tuple(_normalized(v) for v in spec)
+    return spec
+
+
+def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyHybrid()
+    stack = build_optimizers(model, OptimConfig(compile_step=True, grad_clip_norm=1.0), total_steps=4, log=None)
+    promised = [StepCall(c.fn, _normalized(describe(c.args)), c.backend) for c in stack.first_step_calls()]
+
+    made: list[StepCall] = []
+
+    def record(self, fn, *args):  # the step's own calls, recorded instead of run
+        made.append(StepCall(fn, describe(args), self.compile_backend))
+
+    monkeypatch.setattr(TensorHParamOptimizer, "_run", record)
+    idx, tgt = batch()
+    model(idx, tgt).backward()
+    stack.step()
+    assert [c.fn.__name__ for c in made] == ["muon_step", "adamw_step"]
+    assert made == promised
+
+
+def test_skip_reasons():
+    call = StepCall(len, (), "inductor")
+    cpu = torch.device("cpu")
+    assert "compile.optimizer_helper is off" in skip_reason("off", [call], cpu)
+    assert "not compiled" in skip_reason("auto", [], cpu)
+    assert "CUDA only" in skip_reason("auto", [call], cpu)
+    assert skip_reason("on", [call], cpu) is None
+
+
+def planted_failure(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("planted failure in the compiled call")
+
+
+def test_a_failing_helper_is_reported_with_its_error_and_the_step_goes_on(tmp_path):
+    call = StepCall(planted_failure, (torch.zeros(3),), "eager")
+    prewarm = StepPrewarm.start([call], torch.device("cpu"), False, CompileConfig(cache_dir=str(tmp_path / "cache")),
+                                tmp_path / "logs")
+    line = prewarm.wait(timeout_s=300)
+    assert "planted_failure failed (exit 1: " in line and "ValueError('planted failure in the compiled call')" in line
+    assert (tmp_path / "logs" / "optimizer_helper.planted_failure.log").exists()
+    assert prewarm.cache_line().startswith("optimizer step graphs from the helpers' cache:")
+
+
+_TRAINER_SIDE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from pathlib import Path
+    from megacpp.compile.config import CompileConfig
+    from megacpp.compile.entry import prepare_compile
+    from megacpp.optim import OptimConfig, build_optimizers
+    from megacpp.train.step_prewarm import StepPrewarm
+    from tests.test_optim_standins import TinyHybrid, batch
+    cfg = CompileConfig(cache_dir=sys.argv[1])
+    prepare_compile(cfg)  # as the trainer: before the helpers start
+    torch.manual_seed(0)
+    model = TinyHybrid()
+    stack = build_optimizers(model, OptimConfig(compile_step=True, grad_clip_norm=1.0), total_steps=4, log=None)
+    prewarm = StepPrewarm.start(stack.first_step_calls(), torch.device("cpu"), False, cfg, Path(sys.argv[2]))
+    idx, tgt = batch()
+    model(idx, tgt).backward()
+    waited = prewarm.wait()
+    stack.step()
+    print(json.dumps({"waited": waited, "cache": prewarm.cache_line()}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_helpers_compile_the_graphs_the_step_then_loads(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _TRAINER_SIDE, str(tmp_path / "cache"), str(tmp_path / "logs")],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert re.search(r"muon_step \d+\.\d s, adamw_step \d+\.\d s", report["waited"]), report
+    assert report["cache"] == "optimizer step graphs from the helpers' cache: 2 of 2", report
