@@ -32,8 +32,8 @@ class CompileConfig(ConfigSection):
     # before the first compile, file by file verified, under the cache's lock (once per host: the other
     # ranks find it current and skip); "" = none.
     import_cache: str = ""
-    # Compile the optimizer step in a helper process while the model compiles (megacpp.train.step_prewarm):
-    # auto = on CUDA when the helper's copy of the step's tensors is at most a tenth of the card.
+    # Compile the optimizer step in helper processes while the model compiles (megacpp.train.step_prewarm):
+    # auto = on CUDA when their copy of the step's tensors is at most a tenth of the card.
     optimizer_helper: OptimizerHelper = "auto"
 
     @classmethod

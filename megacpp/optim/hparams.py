@@ -21,7 +21,7 @@ GradientOf = Callable[[Tensor], Tensor | None]
 
 class StepCall(NamedTuple):
     """The one compiled call of an optimizer's step: what `_run` would compile, with its arguments. A
-    helper process compiles it from a description while the model compiles (megacpp.compile.prewarm)."""
+    helper process compiles it from a description while the model compiles (megacpp.train.step_prewarm)."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]

@@ -110,7 +110,7 @@ class OptimizerStack:
     def first_step_calls(self) -> list[StepCall]:
         """The compiled calls of the next step, of each optimizer that makes one (`first_step_call`),
         with the clip coefficient's stand-in where the step will pass one: what a helper process can
-        compile while the model compiles (megacpp.compile.prewarm)."""
+        compile while the model compiles (megacpp.train.step_prewarm)."""
         scale = torch.empty((), device="meta") if self.grad_clip_norm > 0 else None
         calls = []
         for opt in self.optimizers:
