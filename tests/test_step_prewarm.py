@@ -93,6 +93,8 @@ def test_skip_reasons():
     assert "not compiled" in skip_reason("auto", [], cpu)
     assert "CUDA only" in skip_reason("auto", [call], cpu)
     assert skip_reason("on", [call], cpu) is None
+    assert skip_reason("on", [call], cpu, retry=True) is None
+    assert "auto-fit retry" in skip_reason("auto", [call], cpu, retry=True)
 
 
 def planted_failure(x: torch.Tensor) -> torch.Tensor:

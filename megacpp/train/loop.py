@@ -180,7 +180,7 @@ class Trainer:
         """The helper that compiles the optimizer step while the model compiles, if one starts; and the
         run header's note on it."""
         calls = self.stack.first_step_calls()
-        reason = skip_reason(self.cfg.compile.optimizer_helper, calls, self.device)
+        reason = skip_reason(self.cfg.compile.optimizer_helper, calls, self.device, retry=self.attempt.is_retry)
         if reason is not None:
             return None, f"optimizer helper: none ({reason})"
         suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""

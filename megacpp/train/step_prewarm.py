@@ -127,14 +127,17 @@ class HelperJob:
     compile: CompileConfig
 
 
-def skip_reason(setting: str, calls: list[StepCall], device: torch.device) -> str | None:
-    """Why no helper starts under `compile.optimizer_helper = setting` (None: they start)."""
+def skip_reason(setting: str, calls: list[StepCall], device: torch.device, retry: bool = False) -> str | None:
+    """Why no helper starts under `compile.optimizer_helper = setting` (None: they start). `retry`: this
+    process is an auto-fit retry, after an attempt ran out of memory."""
     if setting == "off":
         return "compile.optimizer_helper is off"
     if not calls:
         return "the optimizer step is not compiled"
     if setting == "on":
         return None
+    if retry:  # the memory is tight: no copy of the step's tensors beside the retry's
+        return "auto leaves them out of an auto-fit retry"
     if device.type != "cuda":
         return f"auto starts them on CUDA only (device {device})"
     need = sum(spec_bytes(describe(c.args)) for c in calls)

@@ -110,6 +110,7 @@ class Attempt:
     """A run of its own, with no supervisor: it claims its run directory, and a failure is a failure."""
 
     claims_run_dir = True
+    is_retry = False  # an auto-fit retry: an earlier attempt ran out of memory
 
     def init_distributed(self, device: str, dist: DistConfig, out_dir: str) -> DistContext:
         return init_distributed(device, dist, out_dir)
