@@ -22,6 +22,7 @@ from megacpp.optim import OptimConfig, build_optimizers
 from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
 from megacpp.train.step_prewarm import StepPrewarm, TensorSpec, describe, materialize, skip_reason, spec_bytes
 from tests.test_optim_standins import TinyHybrid, batch
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,12 +38,23 @@ def test_description_round_trips_shapes_strides_identity_and_constants():
     transposed = torch.randn(6, 4).t()  # strides (1, 4)
     stand_in = torch.empty_strided((5, 2), (1, 5), dtype=torch.bfloat16, device="meta")
     plan = Plan((2, 3), 0.5)
-    value = ([param, transposed], (shared, stand_in, plan), [shared], 7)
+    gathered = torch.randn(2, 5, 4)
+    alias_a, alias_b = gathered[..., 3:].unbind(0)  # views of one storage: the graph sees aliases
+    lone = torch.randn(10)[4:].view(2, 3)  # a view of its own, at offset 4
+    value = ([param, transposed], (shared, stand_in, plan), [shared], 7, [alias_a, alias_b, lone])
 
     spec = describe(value)
     made = materialize(spec, torch.device("cpu"))
 
-    (m_param, m_transposed), (m_shared, m_stand_in, m_plan), (m_shared_again,), number = made
+    (m_param, m_transposed), (m_shared, m_stand_in, m_plan), (m_shared_again,), number, views = made
+    m_a, m_b, m_lone = views
+    for original, copy in [(alias_a, m_a), (alias_b, m_b), (lone, m_lone)]:
+        assert (copy.shape, copy.stride(), copy.storage_offset()) == (
+            original.shape, original.stride(), original.storage_offset())
+    assert (m_a.storage_offset(), m_b.storage_offset(), m_lone.storage_offset()) == (3, 23, 4)
+    assert m_a.untyped_storage().data_ptr() == m_b.untyped_storage().data_ptr()
+    assert m_a.untyped_storage().nbytes() == 2 * 5 * 4 * 4
+    assert m_lone.untyped_storage().data_ptr() != m_a.untyped_storage().data_ptr()
     assert isinstance(m_param, nn.Parameter) and not isinstance(m_transposed, nn.Parameter)
     for original, copy in [(param, m_param), (transposed, m_transposed), (shared, m_shared)]:
         assert (copy.shape, copy.stride(), copy.dtype) == (original.shape, original.stride(), original.dtype)
@@ -52,8 +64,9 @@ def test_description_round_trips_shapes_strides_identity_and_constants():
     assert m_shared_again is m_shared  # one tensor in two places stays one tensor
     assert m_plan is plan and number == 7
     assert isinstance(spec[1][1], TensorSpec) and spec[1][1].device is None
-    # param 24 x 4 B, transposed 24 x 4 B, shared 3 x 8 B once, the stand-in's extent 1 + 4 + 5 = 10 x 2 B
-    assert spec_bytes(spec) == 96 + 96 + 24 + 20
+    # param 24 x 4 B, transposed 24 x 4 B, shared 3 x 8 B once, the stand-in's extent 1 + 4 + 5 = 10 x 2 B,
+    # the aliases' storage 40 x 4 B once, the lone view's offset and extent 4 + 6 x 4 B
+    assert spec_bytes(spec) == 96 + 96 + 24 + 20 + 160 + 40
 
 
 def _normalized(spec):
@@ -71,7 +84,9 @@ def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
     torch.manual_seed(0)
     model = TinyHybrid()
     stack = build_optimizers(model, OptimConfig(compile_step=True, grad_clip_norm=1.0), total_steps=4, log=None)
-    promised = [StepCall(c.fn, _normalized(describe(c.args)), c.backend) for c in stack.first_step_calls()]
+    calls = stack.first_step_calls()
+    assert list(calls) == ["muon", "adamw"]
+    promised = [StepCall(c.fn, _normalized(describe(c.args)), c.backend) for made in calls.values() for c in made]
 
     made: list[StepCall] = []
 
@@ -87,14 +102,14 @@ def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
 
 
 def test_skip_reasons():
-    call = StepCall(len, (), "inductor")
+    calls = {"muon": [StepCall(len, (), "inductor")]}
     cpu = torch.device("cpu")
-    assert "compile.optimizer_helper is off" in skip_reason("off", [call], cpu)
-    assert "not compiled" in skip_reason("auto", [], cpu)
-    assert "CUDA only" in skip_reason("auto", [call], cpu)
-    assert skip_reason("on", [call], cpu) is None
-    assert skip_reason("on", [call], cpu, retry=True) is None
-    assert "auto-fit retry" in skip_reason("auto", [call], cpu, retry=True)
+    assert "compile.optimizer_helper is off" in skip_reason("off", calls, cpu)
+    assert "not compiled" in skip_reason("auto", {}, cpu)
+    assert "CUDA only" in skip_reason("auto", calls, cpu)
+    assert skip_reason("on", calls, cpu) is None
+    assert skip_reason("on", calls, cpu, retry=True) is None
+    assert "auto-fit retry" in skip_reason("auto", calls, cpu, retry=True)
 
 
 def planted_failure(x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +117,12 @@ def planted_failure(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_failing_helper_is_reported_with_its_error_and_the_step_goes_on(tmp_path):
-    call = StepCall(planted_failure, (torch.zeros(3),), "eager")
-    prewarm = StepPrewarm.start([call], torch.device("cpu"), False, CompileConfig(cache_dir=str(tmp_path / "cache")),
+    calls = {"planted": [StepCall(planted_failure, (torch.zeros(3),), "eager")]}
+    prewarm = StepPrewarm.start(calls, torch.device("cpu"), False, CompileConfig(cache_dir=str(tmp_path / "cache")),
                                 tmp_path / "logs")
     line = prewarm.wait(timeout_s=300)
-    assert "planted_failure failed (exit 1: " in line and "ValueError('planted failure in the compiled call')" in line
-    assert (tmp_path / "logs" / "optimizer_helper.planted_failure.log").exists()
+    assert "planted failed (exit 1: " in line and "ValueError('planted failure in the compiled call')" in line
+    assert (tmp_path / "logs" / "optimizer_helper.planted.log").exists()
     assert prewarm.cache_line().startswith("optimizer step graphs from the helpers' cache:")
 
 
@@ -143,5 +158,24 @@ def test_helpers_compile_the_graphs_the_step_then_loads(tmp_path):
                          capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert re.search(r"muon_step \d+\.\d s, adamw_step \d+\.\d s", report["waited"]), report
+    assert re.search(r"muon \d+\.\d s \(1 call\), adamw \d+\.\d s \(1 call\)", report["waited"]), report
     assert report["cache"] == "optimizer step graphs from the helpers' cache: 2 of 2", report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_sharded_muon_describes_the_calls_its_step_makes(nproc):
+    """Under fsdp a row-sharded matrix steps in three compiled calls around two exchanges; the helper
+    compiles them from `first_step_calls`, whose layouts must be those the exchanges return."""
+    launch = torchrun(["tests/distributed/step_calls.py"], nproc=nproc, timeout=240).check()
+    assert launch.output.count("PASS") == nproc
+
+
+@pytest.mark.slow
+def test_sharded_step_loads_every_graph_from_the_helpers_cache(tmp_path):
+    launch = torchrun(["tests/distributed/step_prewarm_hits.py", str(tmp_path / "cache"), str(tmp_path / "logs")],
+                      nproc=2, timeout=900).check()
+    found = re.findall(r"helpers' cache: (\d+) of (\d+) \((\d+) calls described\)", launch.output)
+    assert len(found) == 2, launch.output[-3000:]
+    for hits, graphs, calls in found:  # every call compiles one graph: each found in the cache
+        assert hits == graphs == calls and int(calls) >= 5, found

@@ -117,11 +117,40 @@ class ShardedMuon(Muon):
         dim = shard_dim(p)
         return p.ndim == 2 and dim is not None and p.device_mesh.size(dim) > 1
 
-    def first_step_call(self) -> StepCall | None:
-        """None where a bucket is row-sharded: its step is several compiled calls around collectives."""
-        if any(self._row_sharded(b) for b in self.buckets(gradient_stand_in)):
-            return None
-        return super().first_step_call()
+    def first_step_calls(self) -> list[StepCall]:
+        """`step_buckets`'s calls: the whole matrices' step, then each row-sharded bucket's three."""
+        buckets = self.buckets(gradient_stand_in) if self.compile_step else []
+        calls = self._whole_matrix_calls([b for b in buckets if not self._row_sharded(b)])
+        for bucket in buckets:
+            if self._row_sharded(bucket):
+                calls += self._row_sharded_calls(bucket)
+        return calls
+
+    def _row_sharded_calls(self, bucket: Bucket) -> list[StepCall]:
+        """`_step_row_sharded`'s compiled calls, with meta tensors of the layouts its exchanges return
+        (`to_owners`: (k, R, w) contiguous; `from_owners`: (n, rows + t, w) contiguous)."""
+        params, grads, buffers, second_moments, lr, weight_decay, momentum, beta2, grad_scale = \
+            self.bucket_work(bucket, gradient_stand_in)
+        plan, backend = bucket.plan, self.compile_backend
+        mesh, dim = bucket.params[0].device_mesh, shard_dim(bucket.params[0])
+        rank, world = mesh.get_local_rank(dim), mesh.size(dim)
+        n, (total_rows, cols) = len(params), bucket.params[0].shape
+        rows = shard_rows(total_rows, world)
+        tall_vr = plan.variance_reduction and total_rows > cols
+        wide_vr = plan.variance_reduction and not tall_vr
+        calls = [StepCall(momentum_update, (grads, buffers, momentum, plan.nesterov, grad_scale), backend)]
+        mine = list(owned(n, rank, world))
+        width = cols + 1 if tall_vr else cols
+        whole = torch.empty((len(mine), total_rows, width), dtype=torch.float32, device="meta")
+        if mine:
+            if tall_vr:
+                moments = list(whole[..., cols:].unbind(0))
+            else:
+                moments = [second_moments[i] for i in mine] if wide_vr else []
+            calls.append(StepCall(orthogonal_update, (whole[..., :cols].contiguous(), moments, beta2, plan), backend))
+        local = torch.empty((n, rows[rank] + (1 if wide_vr else 0), width), dtype=torch.float32, device="meta")
+        calls.append(StepCall(apply_update, (params, local[:, :rows[rank], :cols], lr, weight_decay, plan), backend))
+        return calls
 
     def step_buckets(self, buckets: list[Bucket]) -> None:
         """Stacked parameters (whole matrices on each rank) as on one device; row-sharded ones through

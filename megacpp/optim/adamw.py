@@ -123,11 +123,9 @@ class AdamW(TensorHParamOptimizer):
             self._run(adamw_step, work, not self.compile_step)
         return loss
 
-    def first_step_call(self) -> StepCall | None:
+    def first_step_calls(self) -> list[StepCall]:
         work = self._work(gradient_stand_in) if self.compile_step else []
-        if not work:
-            return None
-        return StepCall(adamw_step, (work, False), self.compile_backend)
+        return [StepCall(adamw_step, (work, False), self.compile_backend)] if work else []
 
     def _work(self, grad_of: GradientOf) -> list[tuple[Any, ...]]:
         """`adamw_update`'s arguments per group with gradients: each rank's local tensors."""

@@ -20,8 +20,8 @@ GradientOf = Callable[[Tensor], Tensor | None]
 
 
 class StepCall(NamedTuple):
-    """The one compiled call of an optimizer's step: what `_run` would compile, with its arguments. A
-    helper process compiles it from a description while the model compiles (megacpp.train.step_prewarm)."""
+    """A compiled call of an optimizer's step: what `_run` would compile, with its arguments. A helper
+    process compiles it from a description while the model compiles (megacpp.train.step_prewarm)."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -95,11 +95,12 @@ class TensorHParamOptimizer(Optimizer):
     def _restore_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Undo torch's load-time casts (every floating state tensor to the param's dtype)."""
 
-    def first_step_call(self) -> StepCall | None:
-        """The compiled call the next step makes when every parameter that requires a gradient has one,
-        with `gradient_stand_in`s for the gradients (and for `grad_scale`, which the caller sets). Creates
-        the state that step would create. None: the step runs eagerly, or is not one compiled call."""
-        return None
+    def first_step_calls(self) -> list[StepCall]:
+        """The compiled calls the next step makes, in order, when every parameter that requires a gradient
+        has one, with `gradient_stand_in`s for the gradients (and for `grad_scale`, which the caller sets)
+        and meta tensors for what the step computes between calls. Creates the state that step would
+        create. Empty when the step runs eagerly."""
+        return []
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, eagerly or through its one ``torch.compile(fullgraph=True)`` graph."""

@@ -314,12 +314,15 @@ class Muon(TensorHParamOptimizer):
         if buckets:
             self._run(muon_step, [self.bucket_work(b) for b in buckets], tuple(b.plan for b in buckets))
 
-    def first_step_call(self) -> StepCall | None:
-        buckets = self.buckets(gradient_stand_in) if self.compile_step else []
+    def first_step_calls(self) -> list[StepCall]:
+        return self._whole_matrix_calls(self.buckets(gradient_stand_in) if self.compile_step else [])
+
+    def _whole_matrix_calls(self, buckets: list[Bucket]) -> list[StepCall]:
+        """`step_buckets`'s call for these buckets, with gradient stand-ins."""
         if not buckets:
-            return None
+            return []
         work = [self.bucket_work(b, gradient_stand_in) for b in buckets]
-        return StepCall(muon_step, (work, tuple(b.plan for b in buckets)), self.compile_backend)
+        return [StepCall(muon_step, (work, tuple(b.plan for b in buckets)), self.compile_backend)]
 
 
 def torch_muon_compatible(

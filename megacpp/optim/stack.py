@@ -107,20 +107,20 @@ class OptimizerStack:
         self.scheduler.step()
         self.metrics = metrics
 
-    def first_step_calls(self) -> list[StepCall]:
-        """The compiled calls of the next step, of each optimizer that makes one (`first_step_call`),
-        with the clip coefficient's stand-in where the step will pass one: what a helper process can
+    def first_step_calls(self) -> dict[str, list[StepCall]]:
+        """The compiled calls of the next step by optimizer (`first_step_calls` of each that makes any),
+        with the clip coefficient's stand-in where the step will pass one: what helper processes can
         compile while the model compiles (megacpp.train.step_prewarm)."""
         scale = torch.empty((), device="meta") if self.grad_clip_norm > 0 else None
-        calls = []
-        for opt in self.optimizers:
+        calls = {}
+        for name, opt in self.by_name.items():
             opt.grad_scale = scale
             try:
-                call = opt.first_step_call()
+                made = opt.first_step_calls()
             finally:
                 opt.grad_scale = None
-            if call is not None:
-                calls.append(call)
+            if made:
+                calls[name] = made
         return calls
 
     def zero_grad(self, set_to_none: bool = True) -> None:

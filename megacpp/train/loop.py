@@ -186,7 +186,8 @@ class Trainer:
         suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
         prewarm = StepPrewarm.start(calls, self.device, self.cfg.train.deterministic, self.cfg.compile,
                                     self.out_dir / "logs", suffix)
-        return prewarm, (f"optimizer helper: compiling {', '.join(prewarm.processes)} beside the model "
+        named = ", ".join(f"{name}'s {len(made)} call{'s' * (len(made) != 1)}" for name, made in calls.items())
+        return prewarm, (f"optimizer helper: compiling {named} beside the model "
                          f"(logs: {self.out_dir / 'logs'}/optimizer_helper.*)")
 
     def _claim(self, resume: bool) -> None:

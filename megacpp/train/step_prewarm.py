@@ -1,18 +1,18 @@
-"""The optimizer step compiled by a helper process while the trainer compiles the model.
+"""The optimizer step compiled by helper processes while the trainer compiles the model.
 
 A cold first step compiles the model (forward, then backward) and then the optimizer step, one after the
 other in one process: `small` on an H100 spent 62 + 12 s on the model and 82 s on the step (`muon_step`
-58 s, `adamw_step` 18 s; BENCHMARKS.md, compilation). The step's graphs depend only on the shapes of
-the parameters and of their state, known before the first forward. So a helper process compiles them from
-a description (shapes, strides, dtypes: no values) into the on-disk caches the trainer uses (FX graph,
-AOTAutograd, Triton), while the trainer compiles the model; the trainer's own compile of the step, at the
-end of the first step, then loads from those caches.
+58 s, `adamw_step` 18 s; BENCHMARKS.md, compilation). The step's graphs depend only on the layouts of
+the parameters and of their state, known before the first forward. So a helper process per optimizer
+compiles its calls from a description (shapes, strides, offsets, dtypes, aliasing: no values) into the
+on-disk caches the trainer uses (FX graph, AOTAutograd, Triton), while the trainer compiles the model;
+the trainer's own compile of the step, at the end of the first step, then loads from those caches.
 
-The helper repeats what the trainer set that enters the cache keys (the run mode and the compile settings:
-`configure_mode`, `prepare_compile`), runs the calls under no_grad as the step does, and holds its own
-copy of the step's tensors on the device while it compiles: `auto` starts it on CUDA only when that copy
-is at most a tenth of the card. A description that misses the cache costs only the helper's time: the
-step compiles itself, as it did before.
+A helper repeats what the trainer set that enters the cache keys (the run mode and the compile settings:
+`configure_mode`, `prepare_compile`), runs the calls in the step's order under no_grad as the step does,
+and holds a zeroed copy of each call's tensors on the device while it compiles it: `auto` starts the
+helpers on CUDA only when those copies are at most a tenth of the card. A description that misses the
+cache costs only the helpers' time: the step compiles itself, as it did before.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from megacpp.optim.hparams import StepCall
 from megacpp.train.autofit.attempt import die_with_parent
 from megacpp.train.determinism import configure_mode
 
-# `auto` starts the helper only when its copy of the step's tensors is at most this share of the card:
+# `auto` starts the helpers only when their copies of the step's tensors are at most this share of the card:
 # the trainer's first forward runs beside it.
 HELPER_MEMORY_SHARE = 0.10
 WAIT_TIMEOUT_S = 1800.0  # longer than any cold compile measured (nam52's step: 98 s): a hung helper is killed
@@ -47,7 +47,9 @@ WAIT_TIMEOUT_S = 1800.0  # longer than any cold compile measured (nam52's step: 
 class TensorSpec:
     """What a compiled graph keys on of an input tensor. device None: the call's device (a stand-in).
     identity: equal for every place one tensor object fills (a group's lr in each of its buckets): the
-    graph takes it once, so the copy must be one tensor there too."""
+    graph takes it once, so the copy must be one tensor there too. base: equal for inputs that are views
+    of one storage (`ShardedMuon`'s per-row second moments, views of the rows it gathered), which the
+    graph treats as aliases; their copies are views of one zeroed storage of `storage` elements."""
 
     identity: int
     shape: tuple[int, ...]
@@ -55,81 +57,96 @@ class TensorSpec:
     dtype: torch.dtype
     device: str | None
     parameter: bool
+    offset: int = 0
+    base: int | None = None
+    storage: int = 0
 
     @property
-    def nbytes(self) -> int:
-        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
-        return extent * self.dtype.itemsize
+    def extent(self) -> int:
+        """Elements from the first to one past the last this tensor reaches, from its offset."""
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
+
+
+def _walk(value: Any, leaf: Any) -> Any:
+    """`value` with `leaf` applied to every tensor or spec, through lists and plain tuples (named tuples,
+    like a Muon bucket's plan, are constants of the graph and kept as they are)."""
+    if isinstance(value, (Tensor, TensorSpec)):
+        return leaf(value)
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
+    if type(value) is tuple:
+        return tuple(_walk(v, leaf) for v in value)
+    return value
 
 
 def describe(value: Any) -> Any:
-    """`value` with every tensor replaced by its `TensorSpec`, through lists and plain tuples (named
-    tuples, like a Muon bucket's plan, are constants of the graph and kept as they are)."""
+    """`value` with every tensor replaced by its `TensorSpec`."""
+    tensors: dict[int, Tensor] = {}
+    _walk(value, lambda t: tensors.setdefault(id(t), t))
+    roots: dict[int, list[Tensor]] = {}  # storage root -> the distinct inputs viewing it
+    for t in tensors.values():
+        roots.setdefault(id(t._base if t._base is not None else t), []).append(t)
+    bases = {id(t): (index, t.untyped_storage().nbytes() // t.element_size())
+             for index, group in enumerate(g for g in roots.values() if len(g) > 1) for t in group}
     specs: dict[int, TensorSpec] = {}
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            if id(v) not in specs:
-                device = None if v.device.type == "meta" else str(v.device)
-                specs[id(v)] = TensorSpec(len(specs), tuple(v.shape), tuple(v.stride()), v.dtype, device,
-                                          isinstance(v, nn.Parameter))
-            return specs[id(v)]
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if type(v) is tuple:
-            return tuple(walk(x) for x in v)
-        return v
-
-    return walk(value)
+    for t in tensors.values():
+        base, storage = bases.get(id(t), (None, 0))
+        specs[id(t)] = TensorSpec(len(specs), tuple(t.shape), tuple(t.stride()), t.dtype,
+                                  None if t.device.type == "meta" else str(t.device), isinstance(t, nn.Parameter),
+                                  t.storage_offset(), base, storage)
+    return _walk(value, lambda t: specs[id(t)])
 
 
 def materialize(value: Any, device: torch.device) -> Any:
-    """`describe`'s inverse: a fresh zero tensor for each spec (parameters as nn.Parameter), one per identity."""
+    """`describe`'s inverse: fresh zeroed tensors of each spec's layout (parameters as nn.Parameter), one
+    per identity, aliases as views of one storage."""
     made: dict[int, Tensor] = {}
+    storages: dict[int, Tensor] = {}
 
-    def walk(v: Any) -> Any:
-        if isinstance(v, TensorSpec):
-            if v.identity not in made:
-                tensor = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=v.device or device).zero_()
-                made[v.identity] = nn.Parameter(tensor) if v.parameter else tensor
-            return made[v.identity]
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if type(v) is tuple:
-            return tuple(walk(x) for x in v)
-        return v
+    def make(spec: TensorSpec) -> Tensor:
+        if spec.identity in made:
+            return made[spec.identity]
+        where = spec.device or device
+        if spec.base is not None:
+            if spec.base not in storages:
+                storages[spec.base] = torch.zeros(spec.storage, dtype=spec.dtype, device=where)
+            tensor = storages[spec.base].as_strided(spec.shape, spec.stride, spec.offset)
+        elif spec.offset:
+            flat = torch.zeros(spec.offset + spec.extent, dtype=spec.dtype, device=where)
+            tensor = flat.as_strided(spec.shape, spec.stride, spec.offset)
+        else:
+            tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=where).zero_()
+        made[spec.identity] = nn.Parameter(tensor) if spec.parameter else tensor
+        return made[spec.identity]
 
-    return walk(value)
+    return _walk(value, make)
 
 
 def spec_bytes(value: Any) -> int:
-    """Device bytes `materialize` allocates for `value` (each identity once)."""
+    """Device bytes `materialize` allocates for `value`."""
     specs: dict[int, TensorSpec] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, TensorSpec):
-            specs[v.identity] = v
-        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            for x in v:
-                walk(x)
-
-    walk(value)
-    return sum(s.nbytes for s in specs.values())
+    _walk(value, lambda spec: specs.setdefault(spec.identity, spec))
+    shared = {spec.base: spec.storage * spec.dtype.itemsize for spec in specs.values() if spec.base is not None}
+    alone = sum((spec.offset + spec.extent) * spec.dtype.itemsize for spec in specs.values() if spec.base is None)
+    return alone + sum(shared.values())
 
 
 @dataclass(frozen=True)
 class HelperJob:
-    """What one helper process reads: a call to compile and the settings that key its caches."""
+    """What one helper process reads: an optimizer's calls to compile, in the step's order, and the
+    settings that key their caches."""
 
-    call: StepCall  # args described
+    calls: tuple[StepCall, ...]  # args described
     device: str
     deterministic: bool
     compile: CompileConfig
 
 
-def skip_reason(setting: str, calls: list[StepCall], device: torch.device, retry: bool = False) -> str | None:
-    """Why no helper starts under `compile.optimizer_helper = setting` (None: they start). `retry`: this
-    process is an auto-fit retry, after an attempt ran out of memory."""
+def skip_reason(setting: str, calls: dict[str, list[StepCall]], device: torch.device,
+                retry: bool = False) -> str | None:
+    """Why no helper starts under `compile.optimizer_helper = setting` (None: they start). `calls`: each
+    optimizer's (`OptimizerStack.first_step_calls`). `retry`: this process is an auto-fit retry, after an
+    attempt ran out of memory."""
     if setting == "off":
         return "compile.optimizer_helper is off"
     if not calls:
@@ -140,7 +157,7 @@ def skip_reason(setting: str, calls: list[StepCall], device: torch.device, retry
         return "auto leaves them out of an auto-fit retry"
     if device.type != "cuda":
         return f"auto starts them on CUDA only (device {device})"
-    need = sum(spec_bytes(describe(c.args)) for c in calls)
+    need = sum(spec_bytes(describe(c.args)) for made in calls.values() for c in made)
     card = torch.cuda.get_device_properties(device).total_memory
     if need > HELPER_MEMORY_SHARE * card:
         return (f"their copy of the step's tensors ({need / 2**30:.1f} GiB) is more than "
@@ -149,8 +166,8 @@ def skip_reason(setting: str, calls: list[StepCall], device: torch.device, retry
 
 
 class StepPrewarm:
-    """Helper processes, one per compiled call of the step (`muon_step` and `adamw_step` compile side by
-    side: 58 and 18 s on an H100); `wait` for them before the first optimizer step."""
+    """Helper processes, one per optimizer (`muon` and `adamw` compile side by side: 58 and 18 s on an
+    H100 for `small`); `wait` for them before the first optimizer step."""
 
     def __init__(self, processes: dict[str, subprocess.Popen], logs: dict[str, Path],
                  spec_dir: tempfile.TemporaryDirectory) -> None:
@@ -160,21 +177,21 @@ class StepPrewarm:
         self._cache_counts: tuple[int, int] | None = None
 
     @classmethod
-    def start(cls, calls: list[StepCall], device: torch.device, deterministic: bool, compile_cfg: CompileConfig,
-              log_dir: Path, suffix: str = "") -> StepPrewarm:
-        """Describe each call and start its helper; helper output goes to
-        ``log_dir/optimizer_helper.<function><suffix>.log``."""
+    def start(cls, calls: dict[str, list[StepCall]], device: torch.device, deterministic: bool,
+              compile_cfg: CompileConfig, log_dir: Path, suffix: str = "") -> StepPrewarm:
+        """Describe each optimizer's calls and start its helper; helper output goes to
+        ``log_dir/optimizer_helper.<optimizer><suffix>.log``."""
         spec_dir = tempfile.TemporaryDirectory(prefix="megacpp-step-prewarm-")
         log_dir.mkdir(parents=True, exist_ok=True)
         # The helpers import this very megacpp, whatever put it on this process's path.
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         processes, logs = {}, {}
-        for call in calls:
-            name = call.fn.__name__
+        for name, made in calls.items():
+            job = HelperJob(tuple(c._replace(args=describe(c.args)) for c in made), str(device), deterministic,
+                            compile_cfg)
             spec = Path(spec_dir.name) / f"{name}.pkl"
-            spec.write_bytes(pickle.dumps(HelperJob(call._replace(args=describe(call.args)), str(device),
-                                                    deterministic, compile_cfg)))
+            spec.write_bytes(pickle.dumps(job))
             logs[name] = log_dir / f"optimizer_helper.{name}{suffix}.log"
             with open(logs[name], "w") as log:
                 processes[name] = subprocess.Popen([sys.executable, "-m", __name__, str(spec), str(os.getpid())],
@@ -196,8 +213,11 @@ class StepPrewarm:
                     continue
                 log = self.logs[name]
                 report = _report(log)
-                outcomes.append(f"{name} {report['compiled_s']:.1f} s" if code == 0 and "compiled_s" in report
-                                else f"{name} failed (exit {code}: {report.get('error', 'no report')}; log: {log})")
+                if code == 0 and "compiled_s" in report:
+                    calls = report["calls"]
+                    outcomes.append(f"{name} {report['compiled_s']:.1f} s ({calls} call{'s' * (calls != 1)})")
+                else:
+                    outcomes.append(f"{name} failed (exit {code}: {report.get('error', 'no report')}; log: {log})")
         finally:
             self.stop()
         self._cache_counts = _fx_cache_counts()
@@ -221,7 +241,7 @@ class StepPrewarm:
 
 
 def _report(log: Path) -> dict[str, Any]:
-    """The JSON line a helper ends with: {"compiled_s": seconds} or {"error": its exception}."""
+    """The JSON line a helper ends with: {"compiled_s": seconds, "calls": n} or {"error": its exception}."""
     lines = log.read_text(errors="replace").splitlines()
     return next((json.loads(x) for x in reversed(lines) if x.startswith(('{"compiled_s"', '{"error"'))), {})
 
@@ -232,18 +252,22 @@ def _fx_cache_counts() -> tuple[int, int]:
 
 
 def run_job(job: HelperJob) -> float:
-    """Compile `job`'s call in this process, with the trainer's settings; its seconds."""
+    """Compile `job`'s calls in this process, in order, with the trainer's settings (one compiled wrapper
+    per function, as `TensorHParamOptimizer._run` keeps); their seconds."""
     configure_mode(job.deterministic)
     prepare_compile(job.compile)
     device = torch.device(job.device)
     if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device, as in the trainer
         torch.cuda.set_device(device)
+    compiled: dict[Any, Any] = {}
+    started = time.perf_counter()
     with torch.no_grad():
-        args = materialize(job.call.args, device)
-        started = time.perf_counter()
-        torch.compile(job.call.fn, fullgraph=True, backend=job.call.backend)(*args)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        for call in job.calls:
+            if call.fn not in compiled:
+                compiled[call.fn] = torch.compile(call.fn, fullgraph=True, backend=call.backend)
+            compiled[call.fn](*materialize(call.args, device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - started
 
 
@@ -252,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     spec, trainer = sys.argv[1:] if argv is None else argv
     die_with_parent(int(trainer))  # a helper outliving its trainer would hold GPU memory for nothing
     try:
-        seconds = run_job(pickle.loads(Path(spec).read_bytes()))
+        job = pickle.loads(Path(spec).read_bytes())
+        seconds = run_job(job)
     except Exception as exc:
         traceback.print_exc()
         root = exc  # Dynamo wraps an error raised while tracing: the innermost one names what happened
@@ -261,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(root).strip().splitlines() or [""])[0]
         print(json.dumps({"error": f"{type(root).__name__}: {first}"[:300]}), flush=True)
         return 1
-    print(json.dumps({"compiled_s": round(seconds, 2)}), flush=True)
+    print(json.dumps({"compiled_s": round(seconds, 2), "calls": len(job.calls)}), flush=True)
     return 0
 
 
