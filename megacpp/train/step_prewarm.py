@@ -157,7 +157,8 @@ def skip_reason(setting: str, calls: dict[str, list[StepCall]], device: torch.de
         return "auto leaves them out of an auto-fit retry"
     if device.type != "cuda":
         return f"auto starts them on CUDA only (device {device})"
-    need = sum(spec_bytes(describe(c.args)) for made in calls.values() for c in made)
+    # A helper's copies live for one call each (its calls run one after the other); the helpers side by side.
+    need = sum(max(spec_bytes(describe(c.args)) for c in made) for made in calls.values())
     card = torch.cuda.get_device_properties(device).total_memory
     if need > HELPER_MEMORY_SHARE * card:
         return (f"their copy of the step's tensors ({need / 2**30:.1f} GiB) is more than "
