@@ -177,8 +177,8 @@ class Trainer:
         self.ctx.close(orderly)
 
     def _start_step_prewarm(self) -> tuple[StepPrewarm | None, str]:
-        """The helper that compiles the optimizer step while the model compiles, if one starts; and the
-        run header's note on it."""
+        """The helper processes that compile the optimizer step while the model compiles, if they start;
+        and the run header's note on them."""
         calls = self.stack.first_step_calls()
         reason = skip_reason(self.cfg.compile.optimizer_helper, calls, self.device, retry=self.attempt.is_retry)
         if reason is not None:
