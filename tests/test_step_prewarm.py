@@ -3,7 +3,6 @@ round-trips, describes exactly the call the step then makes, and a helper's grap
 step's own compile then loads them from the cache)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.optim import OptimConfig, build_optimizers
 from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
 from megacpp.train.step_prewarm import StepPrewarm, TensorSpec, describe, materialize, skip_reason, spec_bytes
+from tests.distributed.step_calls import on_cpu
 from tests.test_optim_standins import TinyHybrid, batch
 from tests.torchrun import torchrun
 
@@ -69,24 +69,13 @@ def test_description_round_trips_shapes_strides_identity_and_constants():
     assert spec_bytes(spec) == 96 + 96 + 24 + 20 + 160 + 40
 
 
-def _normalized(spec):
-    """A description with stand-ins' device (None: the call's) read as the CPU's."""
-    if isinstance(spec, TensorSpec):
-        return dataclasses.replace(spec, device=spec.device or "cpu")
-    if isinstance(spec, list):
-        return [_normalized(v) for v in spec]
-    if type(spec) is tuple:
-        return tuple(_normalized(v) for v in spec)
-    return spec
-
-
 def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
     torch.manual_seed(0)
     model = TinyHybrid()
     stack = build_optimizers(model, OptimConfig(compile_step=True, grad_clip_norm=1.0), total_steps=4, log=None)
     calls = stack.first_step_calls()
     assert list(calls) == ["muon", "adamw"]
-    promised = [StepCall(c.fn, _normalized(describe(c.args)), c.backend) for made in calls.values() for c in made]
+    promised = [StepCall(c.fn, on_cpu(describe(c.args)), c.backend) for made in calls.values() for c in made]
 
     made: list[StepCall] = []
 
@@ -134,7 +123,8 @@ _TRAINER_SIDE = textwrap.dedent(
     from megacpp.compile.entry import prepare_compile
     from megacpp.optim import OptimConfig, build_optimizers
     from megacpp.train.step_prewarm import StepPrewarm
-    from tests.test_optim_standins import TinyHybrid, batch
+    from tests.distributed.step_calls import on_cpu
+from tests.test_optim_standins import TinyHybrid, batch
     cfg = CompileConfig(cache_dir=sys.argv[1])
     prepare_compile(cfg)  # as the trainer: before the helpers start
     torch.manual_seed(0)
