@@ -123,8 +123,7 @@ _TRAINER_SIDE = textwrap.dedent(
     from megacpp.compile.entry import prepare_compile
     from megacpp.optim import OptimConfig, build_optimizers
     from megacpp.train.step_prewarm import StepPrewarm
-    from tests.distributed.step_calls import on_cpu
-from tests.test_optim_standins import TinyHybrid, batch
+    from tests.test_optim_standins import TinyHybrid, batch
     cfg = CompileConfig(cache_dir=sys.argv[1])
     prepare_compile(cfg)  # as the trainer: before the helpers start
     torch.manual_seed(0)
