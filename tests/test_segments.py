@@ -174,7 +174,7 @@ def force_flex(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("with_documents", [True, False])
 def test_tier3_flex_block_mask_is_built_once_per_forward_and_matches_dense(monkeypatch, with_documents: bool):
-    """create_block_mask runs once per forward for three attention layers, and the flex forward equals
+    """The block layout is built once per forward for three attention layers, and the flex forward equals
     the dense-mask forward within 1e-5 absolute: logits are soft-capped to |z| <= 15 and both are fp32
     softmax attention summed in different orders (~1e2 ulps of 15 through seven sublayers)."""
     model = every_kind_model(seed=9, softcap=2.0)
@@ -183,12 +183,31 @@ def test_tier3_flex_block_mask_is_built_once_per_forward_and_matches_dense(monke
     with torch.no_grad():
         dense = model(idx, doc_ids=doc_ids)
         force_flex(monkeypatch)
-        calls = counting(monkeypatch, segments, "create_block_mask")
+        calls = counting(monkeypatch, segments, "document_block_layout")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=FLEX_EAGER_WARNING)
             flex = model(idx, doc_ids=doc_ids)
     assert calls[0] == 1
     assert (flex - dense).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tier1_block_layout_equals_create_block_mask_on_random_documents(seed: int) -> None:
+    """The layout read from each block's first and last document number holds the very tensors torch's
+    create_block_mask finds by evaluating the mask at every token pair: random rows of documents (from
+    one-token documents to whole rows), lengths below, at and past block boundaries, and no documents."""
+    g = torch.Generator().manual_seed(seed)
+    for t in (1, 45, FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE + 1, 3 * FLEX_BLOCK_SIZE - 7, 4 * FLEX_BLOCK_SIZE):
+        b = 1 + seed % 3
+        rate = (0.0, 0.002, 0.02, 0.3, 1.0, 0.01)[seed]
+        starts = torch.rand(b, t, generator=g) < rate
+        starts[:, 0] = True
+        index = None if seed == 0 and t % 2 else starts.long().cumsum(1)
+        ours = segments._flex_blocks(index, t, torch.device("cpu"))
+        direct = create_block_mask(causal_document_mask_mod(index), B=None if index is None else b, H=None,
+                                   Q_LEN=t, KV_LEN=t, device="cpu", BLOCK_SIZE=FLEX_BLOCK_SIZE)
+        for name in ours._fields:
+            assert torch.equal(getattr(ours, name), getattr(direct, name)), (t, name)
 
 
 def test_tier1_block_mask_from_the_layout_equals_create_block_mask() -> None:
