@@ -3,12 +3,10 @@ round-trips, describes exactly the call the step then makes, and a helper's grap
 step's own compile then loads them from the cache)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,7 +17,18 @@ from torch import nn
 from megacpp.compile.config import CompileConfig
 from megacpp.optim import OptimConfig, build_optimizers
 from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
-from megacpp.train.step_prewarm import StepPrewarm, TensorSpec, describe, materialize, skip_reason, spec_bytes
+from megacpp.train.step_prewarm import (
+    StepPrewarm,
+    TensorSpec,
+    describe,
+    helper_jobs,
+    is_compiled,
+    job_key,
+    mark_compiled,
+    materialize,
+    skip_reason,
+    spec_bytes,
+)
 from tests.distributed.step_calls import on_cpu
 from tests.test_optim_standins import TinyHybrid, batch
 from tests.torchrun import torchrun
@@ -90,15 +99,49 @@ def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
     assert made == promised
 
 
-def test_skip_reasons():
-    calls = {"muon": [StepCall(len, (), "inductor")]}
+def test_tier1_skip_reasons(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     cpu = torch.device("cpu")
-    assert "compile.optimizer_helper is off" in skip_reason("off", calls, cpu)
+    jobs = helper_jobs({"muon": [StepCall(len, (torch.zeros(3),), "inductor")]}, cpu, False, CompileConfig())
+    assert "compile.optimizer_helper is off" in skip_reason("off", jobs, cpu)
     assert "not compiled" in skip_reason("auto", {}, cpu)
-    assert "CUDA only" in skip_reason("auto", calls, cpu)
-    assert skip_reason("on", calls, cpu) is None
-    assert skip_reason("on", calls, cpu, retry=True) is None
-    assert "auto-fit retry" in skip_reason("auto", calls, cpu, retry=True)
+    assert "CUDA only" in skip_reason("auto", jobs, cpu)
+    assert skip_reason("on", jobs, cpu) is None
+    assert skip_reason("on", jobs, cpu, retry=True) is None
+    assert "auto-fit retry" in skip_reason("auto", jobs, cpu, retry=True)
+    assert mark_compiled(jobs) is None
+    assert "an earlier run put the step's graphs in the compile cache" in skip_reason("auto", jobs, cpu)
+    assert skip_reason("on", jobs, cpu) is None  # on: the helpers run whatever the cache holds
+
+
+def _job(shape=(4, 6), dtype=torch.float32, device="cpu", deterministic=False, **compile_settings):
+    calls = {"muon": [StepCall(len, ([nn.Parameter(torch.randn(shape, dtype=dtype))], torch.ones(())), "inductor")]}
+    return helper_jobs(calls, torch.device(device), deterministic, CompileConfig(**compile_settings))["muon"]
+
+
+def test_tier1_job_key_follows_what_the_graphs_depend_on():
+    key = job_key(_job())
+    assert job_key(_job()) == key  # fresh tensors, same layouts
+    assert job_key(_job(optimizer_helper="on", cache_dir="/elsewhere", import_cache="/warm")) == key
+    changed = [_job(shape=(4, 7)), _job(dtype=torch.bfloat16), _job(device="meta"), _job(deterministic=True),
+               _job(max_autotune=True), _job(mode="model")]
+    keys = [job_key(job) for job in changed]
+    assert key not in keys and len(set(keys)) == len(keys)
+
+
+def test_tier1_compiled_marks_live_in_the_cache_directory(tmp_path, monkeypatch):
+    first, other = tmp_path / "first", tmp_path / "other"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(first))
+    jobs = {"muon": _job(), "adamw": _job(shape=(3, 3))}
+    assert not any(is_compiled(job) for job in jobs.values())
+    assert mark_compiled({"muon": jobs["muon"]}) is None
+    assert is_compiled(jobs["muon"]) and not is_compiled(jobs["adamw"])
+    assert is_compiled(_job())  # another run's description of the same step
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(other))
+    assert not is_compiled(jobs["muon"])
+    other.mkdir(exist_ok=True)
+    (other / "megacpp-step-prewarm").write_text("a file where the marks' directory goes")
+    assert "could not mark the step's graphs as compiled" in mark_compiled(jobs)
 
 
 def planted_failure(x: torch.Tensor) -> torch.Tensor:
@@ -107,48 +150,38 @@ def planted_failure(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_failing_helper_is_reported_with_its_error_and_the_step_goes_on(tmp_path):
     calls = {"planted": [StepCall(planted_failure, (torch.zeros(3),), "eager")]}
-    prewarm = StepPrewarm.start(calls, torch.device("cpu"), False, CompileConfig(cache_dir=str(tmp_path / "cache")),
-                                tmp_path / "logs")
+    jobs = helper_jobs(calls, torch.device("cpu"), False, CompileConfig(cache_dir=str(tmp_path / "cache")))
+    prewarm = StepPrewarm.start(jobs, tmp_path / "logs")
     line = prewarm.wait(timeout_s=300)
     assert "planted failed (exit 1: " in line and "ValueError('planted failure in the compiled call')" in line
     assert (tmp_path / "logs" / "optimizer_helper.planted.log").exists()
     assert prewarm.cache_line().startswith("optimizer step graphs from the helpers' cache:")
 
 
-_TRAINER_SIDE = textwrap.dedent(
-    """
-    import json, sys, torch
-    from pathlib import Path
-    from megacpp.compile.config import CompileConfig
-    from megacpp.compile.entry import prepare_compile
-    from megacpp.optim import OptimConfig, build_optimizers
-    from megacpp.train.step_prewarm import StepPrewarm
-    from tests.test_optim_standins import TinyHybrid, batch
-    cfg = CompileConfig(cache_dir=sys.argv[1])
-    prepare_compile(cfg)  # as the trainer: before the helpers start
-    torch.manual_seed(0)
-    model = TinyHybrid()
-    stack = build_optimizers(model, OptimConfig(compile_step=True, grad_clip_norm=1.0), total_steps=4, log=None)
-    prewarm = StepPrewarm.start(stack.first_step_calls(), torch.device("cpu"), False, cfg, Path(sys.argv[2]))
-    idx, tgt = batch()
-    model(idx, tgt).backward()
-    waited = prewarm.wait()
-    stack.step()
-    print(json.dumps({"waited": waited, "cache": prewarm.cache_line()}))
-    """
-)
+def _train(cache: Path, out: Path, helper: str) -> str:
+    """One CPU step of `tiny` through the CLI with the optimizer step compiled (the model eager); its log."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGACPP_CACHE_DIR=str(cache))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    command = [sys.executable, "-m", "megacpp.cli", "train", "--preset", "tiny", "--no-progress", "--train.steps", "1",
+               "--train.sample_tokens", "4", "--train.out_dir", str(out), "--optim.compile_step", "true",
+               "--compile.mode", "none", "--compile.optimizer_helper", helper]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=out.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.mark.slow
-def test_helpers_compile_the_graphs_the_step_then_loads(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", _TRAINER_SIDE, str(tmp_path / "cache"), str(tmp_path / "logs")],
-                         capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert re.search(r"muon \d+\.\d s \(1 call\), adamw \d+\.\d s \(1 call\)", report["waited"]), report
-    assert report["cache"] == "optimizer step graphs from the helpers' cache: 2 of 2", report
+def test_tier1_helpers_fill_the_cache_the_step_loads_and_a_warm_run_starts_none(tmp_path):
+    """The trainer's helpers compile the graphs its first step then loads; the step marks them compiled, so
+    the next run with that cache starts no helper (with the cache warm they only made the step wait)."""
+    cache = tmp_path / "cache"
+    cold = _train(cache, tmp_path / "cold", "on")
+    assert re.search(r"helper processes: muon \d+\.\d s \(1 call\), adamw \d+\.\d s \(1 call\)", cold), cold
+    assert "optimizer step graphs from the helpers' cache: 2 of 2" in cold, cold
+    assert len(list((cache / "inductor" / "megacpp-step-prewarm").iterdir())) == 2
+    warm = _train(cache, tmp_path / "warm", "auto")
+    assert "optimizer helper: none (an earlier run put the step's graphs in the compile cache)" in warm, warm
+    assert "helper processes" not in warm and "helpers' cache" not in warm, warm
 
 
 @pytest.mark.slow

@@ -120,13 +120,25 @@ def _choose(root: str | Path | None) -> tuple[Path, str, str | None]:
 OPS_CACHE_KEY = "torch.ops.megacpp"  # the entry of Inductor's unsafe_marked_cacheable_functions we own
 
 
+_PACKAGE = Path(__file__).resolve().parent.parent  # megacpp/
+
+
 def ops_source_digest(ops_dir: Path | None = None) -> str:
     """16 hex digits of sha256 over the names and bytes of the custom ops' sources, megacpp/ops/*.py
     (or ops_dir's)."""
-    root = ops_dir or Path(__file__).resolve().parent.parent / "ops"
+    root = ops_dir or _PACKAGE / "ops"
+    return _source_digest(root, sorted(root.glob("*.py")))
+
+
+def package_source_digest() -> str:
+    """16 hex digits of sha256 over the names and bytes of every megacpp/**/*.py."""
+    return _source_digest(_PACKAGE, sorted(_PACKAGE.rglob("*.py")))
+
+
+def _source_digest(root: Path, paths: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in paths:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
+from megacpp.compile.workers import start_compile_workers
 from megacpp.config import Config, dump_toml, to_dict
 from megacpp.distributed.context import DistContext
 from megacpp.distributed.health import check_compile_health
@@ -72,7 +73,7 @@ from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
 from megacpp.train.rundir import start_over
 from megacpp.train.sample import end_of_run_sample
-from megacpp.train.step_prewarm import StepPrewarm, skip_reason
+from megacpp.train.step_prewarm import HelperJob, StepPrewarm, helper_jobs, is_compiled, mark_compiled, skip_reason
 from megacpp.train.votes import StopVotes
 from megacpp.versions import torch_version
 
@@ -110,6 +111,7 @@ class Trainer:
     def _build(self, log, progress: bool) -> None:
         tc, ctx = self.cfg.train, self.ctx
         self.device = ctx.device
+        start_compile_workers(self.cfg.compile, self.device)  # up by the first compile, after the data and model
         self.phase_clock = PhaseClock(self.device)  # the first step's phases, then off
         self.out_dir = Path(tc.out_dir)
         self.log = RankLog(self.out_dir, ctx.rank, log if ctx.is_main else None) if ctx.distributed else log
@@ -147,6 +149,7 @@ class Trainer:
                                       owns=self.parallel.owns if self.parallel.shards_optimizer_by_owner else None,
                                       after_optimizers=self.parallel.after_optimizers,
                                       grad_norm=self.parallel.grad_norm)
+        self.step_jobs: dict[str, HelperJob] = {}  # marked compiled after the first optimizer step
         self.step_prewarm, self.step_prewarm_note = self._start_step_prewarm()
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx, self.parallel.experts)
@@ -179,14 +182,17 @@ class Trainer:
     def _start_step_prewarm(self) -> tuple[StepPrewarm | None, str]:
         """The helper processes that compile the optimizer step while the model compiles, if they start;
         and the run header's note on them."""
-        calls = self.stack.first_step_calls()
-        reason = skip_reason(self.cfg.compile.optimizer_helper, calls, self.device, retry=self.attempt.is_retry)
+        setting = self.cfg.compile.optimizer_helper
+        if setting != "off":
+            self.step_jobs = helper_jobs(self.stack.first_step_calls(), self.device, self.cfg.train.deterministic,
+                                         self.cfg.compile)
+        reason = skip_reason(setting, self.step_jobs, self.device, retry=self.attempt.is_retry)
         if reason is not None:
             return None, f"optimizer helper: none ({reason})"
+        jobs = {name: job for name, job in self.step_jobs.items() if setting == "on" or not is_compiled(job)}
         suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
-        prewarm = StepPrewarm.start(calls, self.device, self.cfg.train.deterministic, self.cfg.compile,
-                                    self.out_dir / "logs", suffix)
-        named = ", ".join(f"{name}'s {len(made)} call{'s' * (len(made) != 1)}" for name, made in calls.items())
+        prewarm = StepPrewarm.start(jobs, self.out_dir / "logs", suffix)
+        named = ", ".join(f"{name}'s {len(job.calls)} call{'s' * (len(job.calls) != 1)}" for name, job in jobs.items())
         return prewarm, (f"optimizer helper: compiling {named} beside the model "
                          f"(logs: {self.out_dir / 'logs'}/optimizer_helper.*)")
 
@@ -478,6 +484,11 @@ class Trainer:
         self.stack.step()
         if prewarm is not None:
             self.log(prewarm.cache_line())
+        if self.step_jobs:  # the first step compiled its graphs: later runs need no helper for them
+            failed = mark_compiled(self.step_jobs)
+            if failed:
+                self.log(failed)
+            self.step_jobs = {}
         run_after_optimizer_step(self.model)
         clock.mark("optimizer step")
         self.stack.zero_grad()

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.entry import prepare_compile
 from megacpp.distributed.muon import ShardedMuon
-from megacpp.train.step_prewarm import StepPrewarm
+from megacpp.train.step_prewarm import StepPrewarm, helper_jobs
 
 SHAPES = [(48, 16), (12, 40), (3, 10, 14)]  # tall (per-row moments ride with the rows), wide, experts
 
@@ -38,7 +38,8 @@ def main() -> None:
     opt = ShardedMuon([{"params": [nn.Parameter(shard(s)) for _ in range(2)]} for s in SHAPES], lr=0.03,
                       weight_decay=0.1, compile_step=True)
     calls = opt.first_step_calls()
-    prewarm = StepPrewarm.start({"muon": calls}, torch.device("cpu"), False, cfg, Path(sys.argv[2]), f".rank{rank}")
+    prewarm = StepPrewarm.start(helper_jobs({"muon": calls}, torch.device("cpu"), False, cfg), Path(sys.argv[2]),
+                                f".rank{rank}")
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = shard(p.shape)
