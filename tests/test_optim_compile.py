@@ -64,7 +64,8 @@ def test_tier3_compiled_step_no_recompiles_over_50_steps(fresh_dynamo, kind: str
     before = _recompiles()
     _drive(opt, params, steps=50, hparams=hparams)
     assert _recompiles() - before == 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the whole step is one graph
+    # The whole step is one graph; Muon's two (muon.STEP_PARTS: SHAPES' buckets split into two runs).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (2 if kind == "muon" else 1)
 
 
 @pytest.mark.parametrize("kind", ["muon", "adamw", "adamw_bf16"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megacpp.optim import Muon, lr_ratio, second_moment_shape, torch_muon_compatible
+from megacpp.optim.muon import Bucket, step_parts
 from megacpp.optim.orthogonalize import orthogonalize
 
 SHAPES = [(32, 48), (64, 16), (24, 24), (32, 48)]  # wide, tall, square, and a second wide (one bucket of 2)
@@ -266,3 +267,43 @@ def test_tier1_bucket_of_matrices_steps_like_each_matrix_alone() -> None:
         separate.step()
     for p, q in zip(params, alone, strict=True):
         assert torch.equal(p, q)
+
+
+def _buckets(*sizes: int) -> list[Bucket]:
+    return [Bucket([torch.zeros(2, 2)] * n, {}, None) for n in sizes]
+
+
+@pytest.mark.parametrize(("sizes", "parts", "runs"), [
+    ((10, 1, 1), 2, [[10], [1, 1]]),
+    ((1, 1, 10), 2, [[1, 1], [10]]),
+    ((3, 3, 3, 3), 2, [[3, 3], [3, 3]]),
+    ((1, 2, 3, 4, 5, 6), 2, [[1, 2, 3, 4], [5, 6]]),
+    ((1, 2, 3, 4, 5, 6), 3, [[1, 2, 3], [4, 5], [6]]),
+    ((5,), 2, [[5]]),
+    ((), 2, []),
+])
+def test_tier1_step_parts_are_runs_of_consecutive_buckets_with_even_matrix_counts(sizes, parts, runs):
+    buckets = _buckets(*sizes)
+    split = step_parts(buckets, parts)
+    assert [[len(b.params) for b in run] for run in split] == runs
+    assert [b for run in split for b in run] == buckets  # every bucket once, in step order
+
+
+def test_tier1_a_step_in_parts_equals_the_step_in_one_call(monkeypatch):
+    """Buckets are independent: stepping them as two calls changes no bit of the parameters or state."""
+    import megacpp.optim.muon as muon_module
+
+    results = []
+    for parts in ((muon_module.muon_step,), muon_module.STEP_PARTS):
+        monkeypatch.setattr(muon_module, "STEP_PARTS", parts)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(8, 6)] * 3 + [(5, 7)] * 2 + [(3, 4, 4)]]
+        opt = Muon(params, lr=0.05, weight_decay=0.1)
+        for step in range(2):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            opt.step()
+        results.append([p.detach().clone() for p in params] +
+                       [t.clone() for p in params for t in opt.state[p].values() if torch.is_tensor(t)])
+    assert len(step_parts(opt.buckets(), 2)) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -95,7 +95,7 @@ def test_first_step_calls_describe_the_calls_the_step_makes(monkeypatch):
     idx, tgt = batch()
     model(idx, tgt).backward()
     stack.step()
-    assert [c.fn.__name__ for c in made] == ["muon_step", "adamw_step"]
+    assert [c.fn.__name__ for c in made] == ["muon_step_first_part", "muon_step_second_part", "adamw_step"]
     assert made == promised
 
 
@@ -117,6 +117,21 @@ def test_tier1_skip_reasons(tmp_path, monkeypatch):
 def _job(shape=(4, 6), dtype=torch.float32, device="cpu", deterministic=False, **compile_settings):
     calls = {"muon": [StepCall(len, ([nn.Parameter(torch.randn(shape, dtype=dtype))], torch.ones(())), "inductor")]}
     return helper_jobs(calls, torch.device(device), deterministic, CompileConfig(**compile_settings))["muon"]
+
+
+def test_tier1_an_optimizers_calls_are_shared_out_over_its_helpers_in_step_order():
+    cpu = torch.device("cpu")
+    tensors = [torch.zeros(1) for _ in range(10)]
+    sizes = [1, 6, 2, 3]  # input tensors per call: shares {6} and {1, 2, 3}
+    calls = {"muon": [StepCall(len, (tensors[:n],), "inductor") for n in sizes],
+             "adamw": [StepCall(len, (tensors[:4],), "inductor")]}
+    jobs = helper_jobs(calls, cpu, False, CompileConfig())
+    assert list(jobs) == ["muon.1", "muon.2", "adamw"]
+    assert [[len(c.args[0]) for c in jobs[name].calls] for name in jobs] == [[6], [1, 2, 3], [4]]
+    three = helper_jobs(calls, cpu, False, CompileConfig(), per_optimizer=3)
+    assert [[len(c.args[0]) for c in job.calls] for job in three.values()] == [[6], [3], [1, 2], [4]]
+    one = helper_jobs(calls, cpu, False, CompileConfig(), per_optimizer=1)
+    assert [[len(c.args[0]) for c in job.calls] for job in one.values()] == [sizes, [4]]
 
 
 def test_tier1_job_key_follows_what_the_graphs_depend_on():
@@ -176,9 +191,10 @@ def test_tier1_helpers_fill_the_cache_the_step_loads_and_a_warm_run_starts_none(
     the next run with that cache starts no helper (with the cache warm they only made the step wait)."""
     cache = tmp_path / "cache"
     cold = _train(cache, tmp_path / "cold", "on")
-    assert re.search(r"helper processes: muon \d+\.\d s \(1 call\), adamw \d+\.\d s \(1 call\)", cold), cold
-    assert "optimizer step graphs from the helpers' cache: 2 of 2" in cold, cold
-    assert len(list((cache / "inductor" / "megacpp-step-prewarm").iterdir())) == 2
+    assert re.search(r"helper processes: muon\.1 \d+\.\d s \(1 call\), muon\.2 \d+\.\d s \(1 call\), "
+                     r"adamw \d+\.\d s \(1 call\)", cold), cold
+    assert "optimizer step graphs from the helpers' cache: 3 of 3" in cold, cold  # Muon's two parts, AdamW
+    assert len(list((cache / "inductor" / "megacpp-step-prewarm").iterdir())) == 3
     warm = _train(cache, tmp_path / "warm", "auto")
     assert "optimizer helper: none (an earlier run put the step's graphs in the compile cache)" in warm, warm
     assert "helper processes" not in warm and "helpers' cache" not in warm, warm

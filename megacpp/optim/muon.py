@@ -171,9 +171,40 @@ def muon_update(
 
 
 def muon_step(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
-    """All buckets of one optimizer step (the unit that `compile_step` turns into one graph)."""
+    """Buckets of one optimizer step, in order; compiled as the graphs of `STEP_PARTS`."""
     for args, plan in zip(work, plans, strict=True):
         muon_update(*args, plan)
+
+
+# The compiled step is two graphs, each over a run of buckets, so that two helper processes compile them
+# side by side (`train.step_prewarm`): as one graph, `small`'s step took its helper 60.5 s on an H100, the
+# longest path of the cold first step (the model's forward and backward: 44.6 s). Each part is a function
+# of its own: Dynamo keys its cache on the code object, and one function for both would be a recompile.
+def muon_step_first_part(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+    muon_step(work, plans)
+
+
+def muon_step_second_part(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+    muon_step(work, plans)
+
+
+STEP_PARTS = (muon_step_first_part, muon_step_second_part)
+
+
+def step_parts(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
+    """`buckets` as at most `parts` runs of consecutive buckets with about equal numbers of matrices (the
+    graph's size follows them: each matrix has its own momentum and update ops)."""
+    total = sum(len(b.params) for b in buckets)
+    runs: list[list[Bucket]] = [[]]
+    done = 0
+    for bucket in buckets:
+        # Close the run when taking this bucket would overshoot the run's share by more than leaving it.
+        end = total * len(runs) / parts
+        if runs[-1] and len(runs) < parts and done + len(bucket.params) - end > end - done:
+            runs.append([])
+        runs[-1].append(bucket)
+        done += len(bucket.params)
+    return [run for run in runs if run]
 
 
 class Bucket(NamedTuple):
@@ -310,19 +341,22 @@ class Muon(TensorHParamOptimizer):
         return loss
 
     def step_buckets(self, buckets: list[Bucket]) -> None:
-        """Step whole matrices: all buckets in one (optionally compiled) call."""
-        if buckets:
-            self._run(muon_step, [self.bucket_work(b) for b in buckets], tuple(b.plan for b in buckets))
+        """Step whole matrices: one (optionally compiled) call per run of buckets (`step_parts`)."""
+        # Fewer runs than parts (a single bucket): the first functions take them.
+        for fn, part in zip(STEP_PARTS, step_parts(buckets, len(STEP_PARTS)), strict=False):
+            self._run(fn, *self._step_args(part))
 
     def first_step_calls(self) -> list[StepCall]:
         return self._whole_matrix_calls(self.buckets(gradient_stand_in) if self.compile_step else [])
 
     def _whole_matrix_calls(self, buckets: list[Bucket]) -> list[StepCall]:
-        """`step_buckets`'s call for these buckets, with gradient stand-ins."""
-        if not buckets:
-            return []
-        work = [self.bucket_work(b, gradient_stand_in) for b in buckets]
-        return [StepCall(muon_step, (work, tuple(b.plan for b in buckets)), self.compile_backend)]
+        """`step_buckets`'s calls for these buckets, with gradient stand-ins."""
+        return [StepCall(fn, self._step_args(part, gradient_stand_in), self.compile_backend)
+                for fn, part in zip(STEP_PARTS, step_parts(buckets, len(STEP_PARTS)), strict=False)]
+
+    def _step_args(self, buckets: list[Bucket], grad_of: GradientOf = gradient) -> tuple[Any, ...]:
+        """`muon_step`'s arguments for these buckets."""
+        return [self.bucket_work(b, grad_of) for b in buckets], tuple(b.plan for b in buckets)
 
 
 def torch_muon_compatible(

@@ -50,6 +50,8 @@ from megacpp.train.determinism import configure_mode
 # the trainer's first forward runs beside it.
 HELPER_MEMORY_SHARE = 0.10
 WAIT_TIMEOUT_S = 1800.0  # longer than any cold compile measured (nam52's step: 98 s): a hung helper is killed
+# A Muon step compiles as several graphs (`optim.muon.STEP_PARTS`): each its own helper, side by side.
+HELPERS_PER_OPTIMIZER = 2
 MARKS_DIR = "megacpp-step-prewarm"  # under the Inductor cache directory: one empty file per compiled job key
 
 
@@ -153,11 +155,34 @@ class HelperJob:
 
 
 def helper_jobs(calls: dict[str, list[StepCall]], device: torch.device, deterministic: bool,
-                compile_cfg: CompileConfig) -> dict[str, HelperJob]:
-    """Each optimizer's job: its calls (`OptimizerStack.first_step_calls`) described, with the settings."""
-    return {name: HelperJob(tuple(c._replace(args=describe(c.args)) for c in made), str(device), deterministic,
-                            compile_cfg)
-            for name, made in calls.items()}
+                compile_cfg: CompileConfig, per_optimizer: int = HELPERS_PER_OPTIMIZER) -> dict[str, HelperJob]:
+    """The helpers' jobs: each optimizer's calls (`OptimizerStack.first_step_calls`) described, shared out
+    over up to `per_optimizer` jobs (``muon.1``, ``muon.2``; an optimizer of one call keeps its name)."""
+    jobs = {}
+    for name, made in calls.items():
+        shares = _share_out([c._replace(args=describe(c.args)) for c in made], per_optimizer)
+        for index, share in enumerate(shares, 1):
+            jobs[name if len(shares) == 1 else f"{name}.{index}"] = HelperJob(share, str(device), deterministic,
+                                                                              compile_cfg)
+    return jobs
+
+
+def _share_out(calls: list[StepCall], count: int) -> list[tuple[StepCall, ...]]:
+    """`calls` over at most `count` shares of about equal size (a graph's compile time follows its size,
+    counted in input tensors), largest first to the lightest share; each share in step order."""
+    load = [0] * min(count, len(calls))
+    owner: dict[int, int] = {}
+    for index in sorted(range(len(calls)), key=lambda i: -_tensor_count(calls[i].args)):
+        lightest = load.index(min(load))
+        owner[index] = lightest
+        load[lightest] += _tensor_count(calls[index].args)
+    return [tuple(c for i, c in enumerate(calls) if owner[i] == share) for share in range(len(load))]
+
+
+def _tensor_count(value: Any) -> int:
+    found: list[TensorSpec] = []
+    _walk(value, found.append)
+    return len(found)
 
 
 def job_key(job: HelperJob) -> str:
@@ -221,8 +246,8 @@ def skip_reason(setting: str, jobs: dict[str, HelperJob], device: torch.device, 
 
 
 class StepPrewarm:
-    """Helper processes, one per optimizer (`muon` and `adamw` compile side by side: 58 and 18 s on an
-    H100 for `small`); `wait` for them before the first optimizer step."""
+    """Helper processes, one per job (`helper_jobs`), compiling side by side; `wait` for them before the
+    first optimizer step."""
 
     def __init__(self, processes: dict[str, subprocess.Popen], logs: dict[str, Path],
                  spec_dir: tempfile.TemporaryDirectory) -> None:
