@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,22 +80,22 @@ class TensorSpec:
         return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
 
 
-def _walk(value: Any, leaf: Any) -> Any:
+def map_tensors(value: Any, leaf: Callable[[Any], Any]) -> Any:
     """`value` with `leaf` applied to every tensor or spec, through lists and plain tuples (named tuples,
     like a Muon bucket's plan, are constants of the graph and kept as they are)."""
     if isinstance(value, (Tensor, TensorSpec)):
         return leaf(value)
     if isinstance(value, list):
-        return [_walk(v, leaf) for v in value]
+        return [map_tensors(v, leaf) for v in value]
     if type(value) is tuple:
-        return tuple(_walk(v, leaf) for v in value)
+        return tuple(map_tensors(v, leaf) for v in value)
     return value
 
 
 def describe(value: Any) -> Any:
     """`value` with every tensor replaced by its `TensorSpec`."""
     tensors: dict[int, Tensor] = {}
-    _walk(value, lambda t: tensors.setdefault(id(t), t))
+    map_tensors(value, lambda t: tensors.setdefault(id(t), t))
     roots: dict[int, list[Tensor]] = {}  # storage root -> the distinct inputs viewing it
     for t in tensors.values():
         roots.setdefault(id(t._base if t._base is not None else t), []).append(t)
@@ -106,7 +107,7 @@ def describe(value: Any) -> Any:
         specs[id(t)] = TensorSpec(len(specs), tuple(t.shape), tuple(t.stride()), t.dtype,
                                   None if t.device.type == "meta" else str(t.device), isinstance(t, nn.Parameter),
                                   t.storage_offset(), base, storage)
-    return _walk(value, lambda t: specs[id(t)])
+    return map_tensors(value, lambda t: specs[id(t)])
 
 
 def materialize(value: Any, device: torch.device) -> Any:
@@ -131,13 +132,13 @@ def materialize(value: Any, device: torch.device) -> Any:
         made[spec.identity] = nn.Parameter(tensor) if spec.parameter else tensor
         return made[spec.identity]
 
-    return _walk(value, make)
+    return map_tensors(value, make)
 
 
 def spec_bytes(value: Any) -> int:
     """Device bytes `materialize` allocates for `value`."""
     specs: dict[int, TensorSpec] = {}
-    _walk(value, lambda spec: specs.setdefault(spec.identity, spec))
+    map_tensors(value, lambda spec: specs.setdefault(spec.identity, spec))
     shared = {spec.base: spec.storage * spec.dtype.itemsize for spec in specs.values() if spec.base is not None}
     alone = sum((spec.offset + spec.extent) * spec.dtype.itemsize for spec in specs.values() if spec.base is None)
     return alone + sum(shared.values())
@@ -181,7 +182,7 @@ def _share_out(calls: list[StepCall], count: int) -> list[tuple[StepCall, ...]]:
 
 def _tensor_count(value: Any) -> int:
     found: list[TensorSpec] = []
-    _walk(value, found.append)
+    map_tensors(value, found.append)
     return len(found)
 
 

@@ -21,19 +21,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
-from megacpp.train.step_prewarm import TensorSpec, describe
+from megacpp.train.step_prewarm import describe, map_tensors
 from tests.distributed.muon_parity import build
 
 
 def on_cpu(spec):
     """A description with stand-ins' device (None: the call's) read as the CPU."""
-    if isinstance(spec, TensorSpec):
-        return dataclasses.replace(spec, device=spec.device or "cpu")
-    if isinstance(spec, list):
-        return [on_cpu(v) for v in spec]
-    if type(spec) is tuple:
-        return tuple(on_cpu(v) for v in spec)
-    return spec
+    return map_tensors(spec, lambda leaf: dataclasses.replace(leaf, device=leaf.device or "cpu"))
 
 
 def main() -> None:
