@@ -46,6 +46,7 @@ from megacpp.compile.workers import start_compile_workers
 from megacpp.optim.hparams import StepCall
 from megacpp.train.autofit.attempt import die_with_parent
 from megacpp.train.determinism import configure_mode
+from megacpp.versions import package_version, torch_version
 
 # `auto` starts the helpers only when their copies of the step's tensors are at most this share of the card:
 # the trainer's first forward runs beside it.
@@ -193,9 +194,8 @@ def job_key(job: HelperJob) -> str:
     settings = dataclasses.asdict(job.compile)
     for name in ("optimizer_helper", "cache_dir", "import_cache"):
         settings.pop(name)
-    triton = getattr(sys.modules.get("triton"), "__version__", None)
     content = pickle.dumps((job.calls, job.device, job.deterministic, sorted(settings.items()),
-                            torch.__version__, triton, package_source_digest()))
+                            str(torch_version()), package_version("triton"), package_source_digest()))
     return hashlib.sha256(content).hexdigest()[:32]
 
 
