@@ -18,6 +18,7 @@ compiled; a fresh CLI process exports the directory alone.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -130,6 +131,7 @@ def ops_source_digest(ops_dir: Path | None = None) -> str:
     return _source_digest(root, sorted(root.glob("*.py")))
 
 
+@functools.cache  # the installed source does not change under a running process; each read is ~200 files
 def package_source_digest() -> str:
     """16 hex digits of sha256 over the names and bytes of every megacpp/**/*.py."""
     return _source_digest(_PACKAGE, sorted(_PACKAGE.rglob("*.py")))

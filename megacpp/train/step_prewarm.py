@@ -172,12 +172,13 @@ def helper_jobs(calls: dict[str, list[StepCall]], device: torch.device, determin
 def _share_out(calls: list[StepCall], count: int) -> list[tuple[StepCall, ...]]:
     """`calls` over at most `count` shares of about equal size (a graph's compile time follows its size,
     counted in input tensors), largest first to the lightest share; each share in step order."""
+    sizes = [_tensor_count(c.args) for c in calls]
     load = [0] * min(count, len(calls))
     owner: dict[int, int] = {}
-    for index in sorted(range(len(calls)), key=lambda i: -_tensor_count(calls[i].args)):
+    for index in sorted(range(len(calls)), key=lambda i: -sizes[i]):
         lightest = load.index(min(load))
         owner[index] = lightest
-        load[lightest] += _tensor_count(calls[index].args)
+        load[lightest] += sizes[index]
     return [tuple(c for i, c in enumerate(calls) if owner[i] == share) for share in range(len(load))]
 
 
