@@ -84,7 +84,8 @@ def distributed_report(cfg: Config) -> list[str]:
     rows += [f"{k}={v} (set)" for k, v in sorted(os.environ.items())
              if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")) and k not in defaults]
     d = cfg.dist
-    rows.append(f"FSDP2: reshard_after_forward={d.reshard_after_forward}, all-gather dtype {d.param_dtype}, "
+    rows.append(f"FSDP2: reshard_after_forward={d.reshard_after_forward}, prefetch {d.prefetch or 'FSDP2 order'}, "
+                f"all-gather dtype {d.param_dtype}, "
                 f"init timeout {d.init_timeout_s:.0f} s, step timeout {d.step_timeout_s:.0f} s, "
                 f"replica check every {d.fingerprint_every or 'checkpoint'} step(s)")
     return rows

@@ -104,6 +104,21 @@ def test_tier3_bf16_all_gather_opt_in_computes_with_bf16_weights(tmp_path, corpu
 # ---------------------------------------------------------------- 2. parity at start
 
 
+def test_tier1_fsdp_gather_schedule_settings_leave_the_losses_bitwise_unchanged(tmp_path, corpus):
+    """dist.reshard_after_forward and dist.prefetch move the blocks' all-gathers in time (a second gather
+    for the backward; gathers issued blocks ahead), never what is gathered or computed: 4 steps of fsdp
+    with each give the default's losses bit for bit. The test model has 5 blocks, so prefetch 2 reaches
+    past a block's neighbour in both directions."""
+    runs = {"default": {}, "reshard": {"dist.reshard_after_forward": "true"}, "prefetch2": {"dist.prefetch": "2"}}
+    found = {}
+    for name, settings in runs.items():
+        result = launch(tmp_path / name, corpus, **{"train.steps": "4", "dist.strategy": "fsdp", **settings}).check()
+        assert "done: 4 steps" in result.output
+        found[name] = losses(tmp_path / name / "run")
+    assert len(found["default"]) == 4
+    assert found["reshard"] == found["default"] and found["prefetch2"] == found["default"]
+
+
 def test_a_setting_that_differs_on_one_rank_stops_both_ranks_naming_it(tmp_path, corpus):
     result = launch(tmp_path, corpus, "config@1", timeout=120)
     error = same_error_on_both_ranks(result)

@@ -220,6 +220,21 @@ def test_compiled_training_forbids_recompiles_after_warmup(tmp_path, small_corpu
     (line,) = [line for line in lines if line.startswith("first step ")]
     assert f"forward {phases['forward']:.1f} s" in line and "compile by region: " in line
     assert "Block.forward" in line.split("compile by region: ")[1]  # blocks mode compiles each block's forward
+    # The allocator's peak is read on CUDA only: a CPU run's line and record carry none.
+    assert "peak memory" not in line and "first_step_peak_gib" not in summary
+
+
+def test_tier1_phase_clock_line_names_the_phase_that_raised_the_peak():
+    """On CUDA the clock reads the allocator's peak at each mark; the line lists them in phase order after
+    the times (here the readings are set by hand: the CPU has no allocator peak)."""
+    from megacpp.train.phase_clock import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    clock.seconds = {"forward": 30.0, "backward": 7.5, "optimizer step": 40.0}
+    clock.peak_gib = {"forward": 30.06, "backward": 46.5, "optimizer step": 61.84}
+    assert clock.line("first step") == ("first step 77.5 s: forward 30.0 s, backward 7.5 s, optimizer step 40.0 s "
+                                        "(peak memory after each: forward 30.1 GiB, backward 46.5 GiB, "
+                                        "optimizer step 61.8 GiB)")
 
 
 def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, capsys):

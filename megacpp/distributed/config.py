@@ -28,6 +28,11 @@ class DistConfig(ConfigSection):
     # backward. Off moves DDP's bytes (one reduce-scatter + one all-gather per step) and keeps the
     # whole model resident; on (nam52) trades a second all-gather for memory.
     reshard_after_forward: bool = False
+    # fsdp/hsdp: blocks whose weights each block asks to gather ahead of their turn, in the forward (the
+    # next ones) and the backward (the previous ones). 0 keeps FSDP2's own order: a block's gather is
+    # issued when the host reaches it (early only while the host runs ahead of the GPU), the backward's
+    # one block ahead.
+    prefetch: int = 0
     # dtype of the all-gathered weights the blocks compute with. float32 keeps the fp32 router and
     # Mamba-3's fp32 per-head parameters exact; bfloat16 halves the all-gather bytes (opt-in).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -47,5 +52,6 @@ class DistConfig(ConfigSection):
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
         return {"expert_parallel": AT_LEAST_1, "shard_size": NON_NEGATIVE,  # 0 = one host's ranks
+                "prefetch": NON_NEGATIVE,  # 0 = FSDP2's own order
                 "init_timeout_s": POSITIVE, "step_timeout_s": POSITIVE,
                 "fingerprint_every": NON_NEGATIVE}  # 0 = only at checkpoints

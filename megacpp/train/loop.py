@@ -296,6 +296,8 @@ class Trainer:
                 if not self.health.warm:  # every compiled region has run once: a recompile is a regression now
                     compile_record = self._end_warmup(after_warmup)
                     compile_record["first_step_phases_s"] = self.phase_clock.stop()
+                    if self.phase_clock.peak_gib:
+                        compile_record["first_step_peak_gib"] = dict(self.phase_clock.peak_gib)
                     self.log(self.phase_clock.line("first step") + f"; {self.health.slowest()}")
                     if (line := self.attempt.first_step_line(self.batch.micro_batch)) is not None:
                         self.log(line)
