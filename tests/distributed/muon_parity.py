@@ -21,7 +21,6 @@ Usage: torchrun --nproc-per-node=N tests/distributed/muon_parity.py [--compile-b
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 
 import torch
@@ -32,6 +31,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.optim import Muon
+from tests.distributed.teardown import close_group
 
 SHAPES = {  # name -> (shape, group settings)
     "tall": ((48, 16), {}),
@@ -120,12 +120,8 @@ def main() -> None:
         assert graphs > 0 and graphs == graphs_after_first_step, (graphs_after_first_step, graphs)
         print(f"rank {dist.get_rank()} compiled {graphs} graphs in the first step, none after")
     print(f"rank {dist.get_rank()} PASS (largest relative difference {worst:.3e})")
-    # Drop every DTensor (and the collective work they may hold) before the group goes: gloo work still
-    # alive at interpreter exit aborts the process ('terminate called without an active exception').
     del reference, sharded, ref_params, shard_params, p, q
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_group()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from megacpp.model.hints import collect_param_hints
 from megacpp.model.hybrid import HybridLM
 from megacpp.optim import build_optimizers
 from megacpp.presets import preset
+from tests.distributed.teardown import close_group
 
 
 def tiny_model() -> HybridLM:
@@ -121,9 +121,7 @@ def main() -> None:
     check_optimizer_step(ctx, args.adamw_momentum_dtype)
     check_gradient_reduction(ctx)
     print(f"rank {ctx.rank} PASS")
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_group()
 
 
 if __name__ == "__main__":

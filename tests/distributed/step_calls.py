@@ -11,7 +11,6 @@ Usage: torchrun --nproc-per-node=N tests/distributed/step_calls.py
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from megacpp.distributed.muon import ShardedMuon
 from megacpp.optim.hparams import StepCall, TensorHParamOptimizer
 from megacpp.train.step_prewarm import describe, map_tensors
 from tests.distributed.muon_parity import build
+from tests.distributed.teardown import close_group
 
 
 def on_cpu(spec):
@@ -55,9 +55,7 @@ def main() -> None:
     assert {"muon_step_first_part", "momentum_update", "orthogonal_update", "apply_update"} <= set(names), names
     print(f"rank {dist.get_rank()} PASS ({len(made)} calls)")
     del opt
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_group()
 
 
 if __name__ == "__main__":

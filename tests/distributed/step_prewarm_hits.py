@@ -6,7 +6,6 @@ Usage: torchrun --nproc-per-node=2 tests/distributed/step_prewarm_hits.py CACHE_
 """
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.entry import prepare_compile
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.train.step_prewarm import StepPrewarm, helper_jobs
+from tests.distributed.teardown import close_group
 
 SHAPES = [(48, 16), (12, 40), (3, 10, 14)]  # tall (per-row moments ride with the rows), wide, experts
 
@@ -47,9 +47,7 @@ def main() -> None:
     opt.step()
     print(f"rank {rank}: {prewarm.cache_line()} ({len(calls)} calls described)", flush=True)
     del opt
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_group()
 
 
 if __name__ == "__main__":
