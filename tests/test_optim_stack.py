@@ -183,18 +183,24 @@ def test_schedule_without_decay_steps_stays_stable_to_the_end() -> None:
     assert [sched.multiplier(step) for step in range(4)] == [1.0, 1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize(("setting", "device", "model_compiled", "compiled"), [
-    ("auto", "cpu", True, False), ("auto", "cuda", True, True), ("auto", "cuda", False, False),
-    (True, "cpu", False, True), (False, "cuda", True, False),
+@pytest.mark.parametrize(("setting", "device", "model_compiled", "by_auto", "compiled"), [
+    ("auto", "cpu", True, True, False), ("auto", "cuda", True, True, True), ("auto", "cuda", False, True, False),
+    ("auto", "cuda", True, False, False), (True, "cpu", False, True, True), (True, "cuda", True, False, True),
+    (False, "cuda", True, True, False),
 ])
-def test_tier1_compile_step_auto_compiles_on_cuda_only(setting, device, model_compiled, compiled) -> None:
-    """optim.compile_step = "auto" (the default) compiles the optimizer step where the parameters are on
-    CUDA and the model is compiled, and keeps the eager reference step elsewhere; true and false are
-    obeyed as given."""
+def test_tier1_compile_step_auto_compiles_on_cuda_only(setting, device, model_compiled, by_auto, compiled) -> None:
+    """optim.compile_step = "auto" (the default) compiles an optimizer's step where the parameters are on
+    CUDA, the model is compiled and the optimizer's spec asks for it (AdamW does not: its eager CUDA step
+    is torch's fused kernel), and keeps the eager reference step elsewhere; true and false are obeyed as
+    given."""
+    from megacpp.optim.registry import OPTIMIZERS
     from megacpp.optim.stack import resolve_compile_step
 
     assert OptimConfig().compile_step == "auto"
-    assert resolve_compile_step(setting, torch.device(device), model_compiled) is compiled
+    assert (OPTIMIZERS["muon"].compiled_by_auto, OPTIMIZERS["adamw"].compiled_by_auto) == (True, False)
+    assert resolve_compile_step(setting, torch.device(device), model_compiled, by_auto) is compiled
     if device == "cpu":
         stack = build_optimizers(_model(), OptimConfig(compile_step=setting), total_steps=10, log=None)
         assert all(opt.compile_step is compiled for opt in stack.optimizers)
+        state = "compiled" if compiled else "eager"
+        assert stack.describe_steps() == f"optimizer steps: muon {state}, adamw {state}"

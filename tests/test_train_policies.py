@@ -152,9 +152,14 @@ def _kernel(name: str, start: float, end: float) -> dict:
 
 def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
     """Two steps in 1000 us: compute [0, 300) and [350, 700), an NCCL kernel [250, 450) half under compute,
-    a memset [900, 950); CPU-side events are ignored. Busy = [0, 700) + [900, 950) = 750 us."""
+    a memset [900, 950); CPU-side operators are not device time. Busy = [0, 700) + [900, 950) = 750 us.
+    The host waited in two overlapping synchronizations [600, 800) and [700, 900) (200 + 200 us, 300 as
+    a union); a kernel launch is host API time but not a wait."""
+    host_api = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 600, "dur": 200},
+                {"ph": "X", "cat": "cuda_driver", "name": "cuEventSynchronize", "ts": 700, "dur": 200},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 400}]
     events = [_kernel("gemm", 0, 300), _kernel("gemm", 350, 700), _kernel("ncclDevKernel_AllReduce", 250, 450),
-              {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 900, "dur": 50},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 900, "dur": 50}, *host_api,
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000}]
     split = split_trace(events, rank=1, first=3, last=4, wall_us=1000.0)
     assert (split.rank, split.first, split.last, split.kernels) == (1, 3, 4, 4)
@@ -162,9 +167,10 @@ def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
     assert split.collectives_ms == 200 / 2000 and split.exposed_collectives_ms == 50 / 2000
     assert split.idle_ms == 250 / 2000
     assert split.collectives_by_kind == {"AllReduce": 200 / 2000}
-    assert split.line().startswith("profile, steps 3-4, rank 1: 0.5 ms per step = compute 0.3 (70%) + exposed "
-                                   "collectives 0.0 (5%) + idle 0.1 (25%); collectives 0.1 ms (AllReduce 0.1), "
-                                   "75% hidden")
+    assert split.host_wait_ms == 300 / 2000
+    assert split.line() == ("profile, steps 3-4, rank 1: 0.5 ms per step = compute 0.3 (70%) + exposed "
+                            "collectives 0.0 (5%) + idle 0.1 (25%); collectives 0.1 ms (AllReduce 0.1), "
+                            "75% hidden under compute; the host waited for the device 0.1 ms")
     cpu = split_trace(events[-1:], rank=0, first=3, last=4, wall_us=1000.0)
     assert cpu.kernels == 0 and "no device kernels in the trace (a CPU run)" in cpu.line()
 

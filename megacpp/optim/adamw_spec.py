@@ -37,4 +37,7 @@ ADAMW_SPEC = OptimizerSpec(
     "megacpp.optim.adamw:AdamW", _adamw_settings, _adamw_group_settings, _adamw_state_bytes,
     ranges={"adamw_lr": NON_NEGATIVE, "embed_lr": NON_NEGATIVE, "head_lr": NON_NEGATIVE, "adamw_beta1": BELOW_1,
             "adamw_beta2": BELOW_1, "adamw_eps": POSITIVE, "adamw_weight_decay": NON_NEGATIVE},
+    # Eager, AdamW's CUDA step is torch's fused kernel: 1.67 ms against 2.38 compiled at small's shapes and
+    # 2.62 against 2.56 at nam52's (one H100), and the compile cost 32 and 47 s of the cold start.
+    compiled_by_auto=False,
 )

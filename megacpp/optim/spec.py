@@ -32,6 +32,8 @@ class OptimizerSpec:
     ``state_bytes`` is the optimizer state it keeps for one parameter, for the routing table.
     ``ranges`` are those of the OptimConfig fields that are this optimizer's own settings: the gate
     (megacpp.validate) holds every config to them, as it does a block's section to its ranges.
+    ``compiled_by_auto``: whether ``optim.compile_step = "auto"`` compiles its step on CUDA (an optimizer
+    whose eager step is already one fused kernel has nothing to win there but the compile's time).
     """
 
     optimizer_path: str
@@ -39,6 +41,7 @@ class OptimizerSpec:
     group_settings: Callable[[Route, OptimConfig], dict[str, Any]]
     state_bytes: Callable[[Route, OptimConfig], int]
     ranges: Mapping[str, Interval] = field(default_factory=dict)
+    compiled_by_auto: bool = True
 
     @property
     def optimizer(self) -> type[TensorHParamOptimizer]:

@@ -79,6 +79,11 @@ class OptimizerStack:
     def parameters(self) -> list[Tensor]:
         return [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
 
+    def describe_steps(self) -> str:
+        """How each optimizer steps, for the run header: "optimizer steps: muon compiled, adamw eager"."""
+        steps = [f"{name} {'compiled' if opt.compile_step else 'eager'}" for name, opt in self.by_name.items()]
+        return f"optimizer steps: {', '.join(steps) or 'none on this rank'}"
+
     def step(self) -> None:
         """The one place that fixes the order: optimizer steps, MuonClip, the spectral cap, the scheduler."""
         metrics: dict[str, Tensor | float] = {"lr_multiplier": self.scheduler.multiplier}
@@ -198,7 +203,7 @@ def build_optimizers(
     if unknown:
         raise ValueError(f"classes given for {unknown}, which are not registered optimizers {tuple(OPTIMIZERS)}")
     routes = route_parameters(model, cfg, hints)
-    compile_step = resolve_compile_step(cfg.compile_step, next(model.parameters()).device, model_compiled)
+    device = next(model.parameters()).device
     optimizers = {}
     all_groups = _param_groups(routes, cfg)
     for kind, groups in all_groups.items():
@@ -206,9 +211,10 @@ def build_optimizers(
             groups = [g for g in ({**g, "params": [p for p in g["params"] if owns(p)]} for g in groups) if g["params"]]
             if not groups:  # nothing of this optimizer is this rank's to step
                 continue
-        make = classes.get(kind, OPTIMIZERS[kind].optimizer)
-        optimizers[kind] = make(groups, **OPTIMIZERS[kind].settings(cfg), compile_step=compile_step,
-                                compile_backend=cfg.compile_backend)
+        spec = OPTIMIZERS[kind]
+        compile_step = resolve_compile_step(cfg.compile_step, device, model_compiled, spec.compiled_by_auto)
+        optimizers[kind] = classes.get(kind, spec.optimizer)(groups, **spec.settings(cfg), compile_step=compile_step,
+                                                             compile_backend=cfg.compile_backend)
     scheduler = LRScheduler(list(optimizers.values()), WarmupStableDecay.from_config(cfg, total_steps))
 
     clip = MuonClip.for_model(model)
@@ -242,11 +248,13 @@ def _param_groups(routes: list[Route], cfg: OptimConfig) -> dict[str, list[dict[
     return {kind: list(groups.values()) for kind, groups in by_kind.items() if groups}
 
 
-def resolve_compile_step(setting: bool | str, device: torch.device, model_compiled: bool = True) -> bool:
-    """`OptimConfig.compile_step` for parameters on `device`: "auto" compiles on CUDA, where one fused
-    graph replaces hundreds of launches and passes over memory (the eager step is memory-bound), unless
-    the model itself runs uncompiled; it stays eager elsewhere (on a CPU the compile costs more than it
+def resolve_compile_step(setting: bool | str, device: torch.device, model_compiled: bool = True,
+                         compiled_by_auto: bool = True) -> bool:
+    """`OptimConfig.compile_step` for one optimizer's parameters on `device`: "auto" compiles on CUDA, where
+    one fused graph replaces hundreds of launches and passes over memory (the eager step is memory-bound),
+    unless the model itself runs uncompiled or the optimizer's spec says its eager step is already fused
+    (``compiled_by_auto`` false: AdamW); it stays eager elsewhere (on a CPU the compile costs more than it
     saves, and the eager step is the reference). True and False are obeyed as given."""
     if setting == "auto":
-        return device.type == "cuda" and model_compiled
+        return device.type == "cuda" and model_compiled and compiled_by_auto
     return bool(setting)

@@ -423,8 +423,7 @@ class Trainer:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
-            f"({self.cfg.compile.backend}), optimizer step "
-            f"{'compiled' if self.stack.optimizers[0].compile_step else 'eager'}; {self.ctx.describe()}"
+            f"({self.cfg.compile.backend}), {self.stack.describe_steps()}; {self.ctx.describe()}"
             + (f"; {self.parallel.describe()}" if self.ctx.distributed else ""),
             self.compile_status.format(),
             self.step_prewarm_note,

@@ -33,6 +33,9 @@ FIRST_STEP = 3  # step 1 compiles the model, step 2 the optimizer's first compil
 SETTLED_STEP = 10
 COLLECTIVE_PREFIXES = ("nccl",)  # NCCL's kernels: ncclDevKernel_..., ncclKernel_...
 BUSY_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# The host's CUDA API calls; the ones named *Synchronize are the host waiting for the device (a loss's
+# .item(), an event). A step whose host seldom waits was launched no faster than the device ran it.
+HOST_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class StepSplit:
     # Collective time by NCCL operation ("AllGather", "ReduceScatter", "AllReduce", "SendRecv": the
     # all-to-all of expert parallelism is NCCL's grouped send/receive), each in ms per step.
     collectives_by_kind: dict[str, float] = field(default_factory=dict)
+    host_wait_ms: float = 0.0  # the host blocked in CUDA synchronizations, per step
 
     def line(self) -> str:
         head = f"profile, steps {self.first}-{self.last}, rank {self.rank}: "
@@ -60,7 +64,7 @@ class StepSplit:
                 f"({self.compute_ms / self.wall_ms:.0%}) + exposed collectives {self.exposed_collectives_ms:.1f} "
                 f"({self.exposed_collectives_ms / self.wall_ms:.0%}) + idle {self.idle_ms:.1f} "
                 f"({self.idle_ms / self.wall_ms:.0%}); collectives {self.collectives_ms:.1f} ms{self._kinds()}, "
-                f"{hidden:.0%} hidden under compute")
+                f"{hidden:.0%} hidden under compute; the host waited for the device {self.host_wait_ms:.1f} ms")
 
     def _kinds(self) -> str:
         kinds = sorted(self.collectives_by_kind.items(), key=lambda kv: -kv[1])
@@ -95,13 +99,17 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: float) -> StepSplit:
     """The split of ``wall_us`` of profiled time (``last - first + 1`` steps) from a Chrome trace's events."""
-    compute, collectives = [], []
+    compute, collectives, host_wait = [], [], []
     by_kind: dict[str, list[tuple[float, float]]] = {}
     kernels = 0
     for event in events:
-        if event.get("ph") != "X" or event.get("cat") not in BUSY_CATEGORIES:
+        if event.get("ph") != "X":
             continue
         span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
+        if event.get("cat") in HOST_API_CATEGORIES and "Synchronize" in str(event.get("name", "")):
+            host_wait.append(span)
+        if event.get("cat") not in BUSY_CATEGORIES:
+            continue
         kernels += 1
         is_collective = str(event.get("name", "")).lower().startswith(COLLECTIVE_PREFIXES)
         (collectives if is_collective else compute).append(span)
@@ -118,7 +126,8 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
 
     return StepSplit(rank, first, last, ms(wall_us), ms(_length(compute_u)), ms(exposed),
                      ms(max(wall_us - busy, 0.0)), ms(collective_us), kernels,
-                     {kind: ms(_length(_union(spans))) for kind, spans in by_kind.items()})
+                     {kind: ms(_length(_union(spans))) for kind, spans in by_kind.items()},
+                     ms(_length(_union(host_wait))))
 
 
 def collective_kind(kernel: str) -> str:
