@@ -9,6 +9,7 @@ from megacpp.rules import NON_NEGATIVE, ConfigSection, Interval
 CompileMode = Literal["none", "model", "blocks"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 OptimizerHelper = Literal["auto", "on", "off"]
+ModelHelper = Literal["on", "off"]
 MODES = get_args(CompileMode)
 BACKENDS = get_args(CompileBackend)
 
@@ -35,6 +36,9 @@ class CompileConfig(ConfigSection):
     # Compile the optimizer step in helper processes while the model compiles (megacpp.train.step_prewarm):
     # auto = on CUDA when their copy of the step's tensors is at most a tenth of the card.
     optimizer_helper: OptimizerHelper = "auto"
+    # Compile the model's block kinds and loss in helper processes, one per kind, while the trainer compiles
+    # them in order (megacpp.train.model_prewarm); one process or replicate, compile mode blocks.
+    model_helper: ModelHelper = "off"
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:

@@ -64,6 +64,7 @@ from megacpp.train.guards import DivergenceGuard, TrainingFault, check_finite_we
 from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
+from megacpp.train.model_prewarm import ModelPrewarm, model_jobs
 from megacpp.train.phase_clock import PhaseClock
 from megacpp.train.plan import BatchPlan, resumed_plan, trained_config
 from megacpp.train.profile import StepProfiler
@@ -73,7 +74,15 @@ from megacpp.train.records import StepRecords
 from megacpp.train.report import TrainResult, interruption
 from megacpp.train.rundir import start_over
 from megacpp.train.sample import end_of_run_sample
-from megacpp.train.step_prewarm import HelperJob, StepPrewarm, helper_jobs, is_compiled, mark_compiled, skip_reason
+from megacpp.train.step_prewarm import (
+    HelperJob,
+    StepPrewarm,
+    fx_cache_counts,
+    helper_jobs,
+    is_compiled,
+    mark_compiled,
+    skip_reason,
+)
 from megacpp.train.votes import StopVotes
 from megacpp.versions import torch_version
 
@@ -151,6 +160,9 @@ class Trainer:
                                       grad_norm=self.parallel.grad_norm)
         self.step_jobs: dict[str, HelperJob] = {}  # marked compiled after the first optimizer step
         self.step_prewarm, self.step_prewarm_note = self._start_step_prewarm()
+        self.model_prewarm, model_note = self._start_model_prewarm()
+        self.step_prewarm_note += f"\n{model_note}" if model_note else ""
+        self.model_cache_counts: tuple[int, int] | None = None  # the first forward and backward's FX cache
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx, self.parallel.experts)
         self.grad_norms: dict[str, Tensor] = {}  # the last step's, per part, logged with its record
@@ -175,6 +187,8 @@ class Trainer:
         self.run_dir.release()
         if getattr(self, "step_prewarm", None) is not None:  # the run ended before its first optimizer step
             self.step_prewarm.stop()
+        if getattr(self, "model_prewarm", None) is not None:
+            self.model_prewarm.stop()
         if hasattr(self, "parallel"):  # built once the model is
             self.parallel.close()
         self.ctx.close(orderly)
@@ -195,6 +209,24 @@ class Trainer:
         named = ", ".join(f"{name}'s {len(job.calls)} call{'s' * (len(job.calls) != 1)}" for name, job in jobs.items())
         return prewarm, (f"optimizer helper: compiling {named} beside the model "
                          f"(logs: {self.out_dir / 'logs'}/optimizer_helper.*)")
+
+    def _start_model_prewarm(self) -> tuple[ModelPrewarm | None, str]:
+        """The helper processes that compile the model's block kinds beside the trainer, when
+        compile.model_helper is on and the run can use them; and the run header's line on them."""
+        cfg = self.cfg
+        if cfg.compile.model_helper == "off":
+            return None, ""
+        plain_blocks = self.parallel.name in ("single process", "replicate") and cfg.dist.expert_parallel <= 1
+        why_not = ("compile.mode is not blocks" if cfg.compile.mode != "blocks" else
+                   "an auto-fit retry" if self.attempt.is_retry else
+                   None if plain_blocks else f"data parallelism {self.parallel.name} wraps the blocks in other graphs")
+        if why_not is not None:
+            return None, f"model helper: none ({why_not})"
+        jobs = model_jobs(self.model, cfg.compile, cfg.train.deterministic, cfg.train.recompute, self.device,
+                          self.batch.micro_batch, cfg.data.seq_len)
+        suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
+        prewarm = ModelPrewarm.start(jobs, self.out_dir / "logs", suffix)
+        return prewarm, f"model helper: compiling {', '.join(jobs)} beside the trainer (logs: model_helper.*)"
 
     def _claim(self, resume: bool) -> None:
         self.run_dir.claim(resume)
@@ -301,6 +333,8 @@ class Trainer:
                     self.log(self.phase_clock.line("first step") + f"; {self.health.slowest()}")
                     if (line := self.attempt.first_step_line(self.batch.micro_batch)) is not None:
                         self.log(line)
+                    if self.model_prewarm is not None:
+                        self.log(self._model_prewarm_line())
                 self.losses.append(loss)
                 out_of_time = self.step < tc.steps and self.votes.out_of_time()  # same step on every rank
                 final = self.step == tc.steps or out_of_time  # log, evaluate and save the last step
@@ -353,6 +387,16 @@ class Trainer:
             self.log(f"loss curve: {plot_loss(metrics.path, self.out_dir / 'loss.png')}")
         return TrainResult(self.out_dir, self.step, self.losses, records.evaluation, self.data.baselines, checkpoint,
                            sample, ctx.rank, self.device.type, out_of_time, spike_summary(records.norm_history))
+
+    def _model_prewarm_line(self) -> str:
+        """After the first step: what the model helpers did (those still compiling are stopped) and how
+        many of the first forward and backward's graphs came from the cache."""
+        prewarm, self.model_prewarm = self.model_prewarm, None
+        line = prewarm.outcome()
+        if self.model_cache_counts is not None:
+            hits, misses = self.model_cache_counts
+            line += f"; the model's graphs from the cache: {hits} of {hits + misses}"
+        return line
 
     def _nothing_to_train(self) -> TrainResult:
         """A resumed run already at train.steps or past its time budget: say so and end cleanly (no metrics,
@@ -453,6 +497,7 @@ class Trainer:
         last_batch = None
         loss_read = None
         self.reduce_statistics.begin_step(plan.micro_steps)
+        before = fx_cache_counts() if self.model_prewarm is not None else None
         for accum in range(plan.grad_accum):
             pieces = plan.split(next(self.data.loader))
             clock.mark("data")
@@ -479,6 +524,8 @@ class Trainer:
             stop_nonfinite_loss(self.ctx, self.model, self.step + 1, value, read["local"], last_batch)
         self.grad_norms, self.block_grad_norms = self.part_grad_norms.measure()  # before the optimizer clips
         clock.mark("gradient norms")
+        if before is not None:
+            self.model_cache_counts = tuple(now - then for now, then in zip(fx_cache_counts(), before, strict=True))
         prewarm, self.step_prewarm = self.step_prewarm, None
         if prewarm is not None:
             self.log(prewarm.wait())

@@ -193,7 +193,7 @@ def job_key(job: HelperJob) -> str:
     settings (less those that choose no graph: the helper setting, where the cache lives), torch's and
     Triton's versions and megacpp's source. Equal keys compile equal graphs."""
     settings = dataclasses.asdict(job.compile)
-    for name in ("optimizer_helper", "cache_dir", "import_cache"):
+    for name in ("optimizer_helper", "model_helper", "cache_dir", "import_cache"):
         settings.pop(name)
     content = pickle.dumps((job.calls, job.device, job.deterministic, sorted(settings.items()),
                             str(torch_version()), package_version("triton"), package_source_digest()))
@@ -247,35 +247,37 @@ def skip_reason(setting: str, jobs: dict[str, HelperJob], device: torch.device, 
     return None
 
 
-class StepPrewarm:
-    """Helper processes, one per job (`helper_jobs`), compiling side by side; `wait` for them before the
-    first optimizer step."""
+class HelperProcesses:
+    """Helper processes that `start_helpers` started, one per job, compiling side by side."""
 
     def __init__(self, processes: dict[str, subprocess.Popen], logs: dict[str, Path],
                  spec_dir: tempfile.TemporaryDirectory) -> None:
         self.processes = processes
         self.logs = logs
         self._spec_dir = spec_dir
+
+    def stop(self) -> None:
+        """End the helpers that still run (the run stopped before it needed them, or no longer needs them)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self._spec_dir.cleanup()
+
+
+class StepPrewarm(HelperProcesses):
+    """The optimizer's helpers, one per job (`helper_jobs`); `wait` for them before the first optimizer step."""
+
+    def __init__(self, processes: dict[str, subprocess.Popen], logs: dict[str, Path],
+                 spec_dir: tempfile.TemporaryDirectory) -> None:
+        super().__init__(processes, logs, spec_dir)
         self._cache_counts: tuple[int, int] | None = None
 
     @classmethod
     def start(cls, jobs: dict[str, HelperJob], log_dir: Path, suffix: str = "") -> StepPrewarm:
         """Start a helper for each optimizer's job (`helper_jobs`); helper output goes to
         ``log_dir/optimizer_helper.<optimizer><suffix>.log``."""
-        spec_dir = tempfile.TemporaryDirectory(prefix="megacpp-step-prewarm-")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        # The helpers import this very megacpp, whatever put it on this process's path.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-        processes, logs = {}, {}
-        for name, job in jobs.items():
-            spec = Path(spec_dir.name) / f"{name}.pkl"
-            spec.write_bytes(pickle.dumps(job))
-            logs[name] = log_dir / f"optimizer_helper.{name}{suffix}.log"
-            with open(logs[name], "w") as log:
-                processes[name] = subprocess.Popen([sys.executable, "-m", __name__, str(spec), str(os.getpid())],
-                                                   stdout=log, stderr=subprocess.STDOUT, env=env)
-        return cls(processes, logs, spec_dir)
+        return cls(*start_helpers(__name__, jobs, log_dir / "optimizer_helper", suffix))
 
     def wait(self, timeout_s: float = WAIT_TIMEOUT_S) -> str:
         """Wait for the helpers (stopping them after `timeout_s`); a line for the run log. `cache_line`
@@ -291,7 +293,7 @@ class StepPrewarm:
                     outcomes.append(f"{name} still compiling after {timeout_s:.0f} s, stopped (log: {self.logs[name]})")
                     continue
                 log = self.logs[name]
-                report = _report(log)
+                report = helper_report(log)
                 if code == 0 and "compiled_s" in report:
                     calls = report["calls"]
                     outcomes.append(f"{name} {report['compiled_s']:.1f} s ({calls} call{'s' * (calls != 1)})")
@@ -299,7 +301,7 @@ class StepPrewarm:
                     outcomes.append(f"{name} failed (exit {code}: {report.get('error', 'no report')}; log: {log})")
         finally:
             self.stop()
-        self._cache_counts = _fx_cache_counts()
+        self._cache_counts = fx_cache_counts()
         return (f"optimizer step compiled beside the model by helper processes: {', '.join(outcomes)}; "
                 f"the step waited {time.perf_counter() - began:.1f} s for them")
 
@@ -307,25 +309,37 @@ class StepPrewarm:
         """After the first step: how many of the step's graphs came from the cache the helpers filled."""
         if self._cache_counts is None:
             return ""
-        hits, misses = (now - before for now, before in zip(_fx_cache_counts(), self._cache_counts, strict=True))
+        hits, misses = (now - before for now, before in zip(fx_cache_counts(), self._cache_counts, strict=True))
         return f"optimizer step graphs from the helpers' cache: {hits} of {hits + misses}"
 
-    def stop(self) -> None:
-        """End the helpers that still run (the run stopped before its first optimizer step)."""
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        self._spec_dir.cleanup()
+
+def start_helpers(module: str, jobs: dict[str, Any], log_stem: Path, suffix: str = ""
+                  ) -> tuple[dict[str, subprocess.Popen], dict[str, Path], tempfile.TemporaryDirectory]:
+    """``python -m module JOB_PICKLE TRAINER_PID`` per job, output to ``<log_stem>.<name><suffix>.log``: the
+    processes, their logs, and the directory of the pickled jobs (to clean up once they ended)."""
+    spec_dir = tempfile.TemporaryDirectory(prefix="megacpp-helper-")
+    log_stem.parent.mkdir(parents=True, exist_ok=True)
+    # The helpers import this very megacpp, whatever put it on this process's path.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    processes, logs = {}, {}
+    for name, job in jobs.items():
+        spec = Path(spec_dir.name) / f"{name}.pkl"
+        spec.write_bytes(pickle.dumps(job))
+        logs[name] = log_stem.with_name(f"{log_stem.name}.{name}{suffix}.log")
+        with open(logs[name], "w") as log:
+            processes[name] = subprocess.Popen([sys.executable, "-m", module, str(spec), str(os.getpid())],
+                                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    return processes, logs, spec_dir
 
 
-def _report(log: Path) -> dict[str, Any]:
-    """The JSON line a helper ends with: {"compiled_s": seconds, "calls": n} or {"error": its exception}."""
+def helper_report(log: Path) -> dict[str, Any]:
+    """The JSON line a helper ends with: {"compiled_s": seconds, ...} or {"error": its exception}."""
     lines = log.read_text(errors="replace").splitlines()
     return next((json.loads(x) for x in reversed(lines) if x.startswith(('{"compiled_s"', '{"error"'))), {})
 
 
-def _fx_cache_counts() -> tuple[int, int]:
+def fx_cache_counts() -> tuple[int, int]:
     counters = torch._dynamo.utils.counters["inductor"]
     return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
 
@@ -353,11 +367,17 @@ def run_job(job: HelperJob) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m megacpp.train.step_prewarm JOB_PICKLE TRAINER_PID`: compile the job, print its report."""
-    spec, trainer = sys.argv[1:] if argv is None else argv
+    return helper_main(sys.argv[1:] if argv is None else argv, lambda job: {
+        "compiled_s": round(run_job(job), 2), "calls": len(job.calls)})
+
+
+def helper_main(argv: list[str], run: Callable[[Any], dict[str, Any]]) -> int:
+    """A helper process's body: ``argv`` = JOB_PICKLE TRAINER_PID; `run` compiles the job and returns its
+    report (``compiled_s`` first), printed as the log's last line; an exception's innermost cause is."""
+    spec, trainer = argv
     die_with_parent(int(trainer))  # a helper outliving its trainer would hold GPU memory for nothing
     try:
-        job = pickle.loads(Path(spec).read_bytes())
-        seconds = run_job(job)
+        report = run(pickle.loads(Path(spec).read_bytes()))
     except Exception as exc:
         traceback.print_exc()
         root = exc  # Dynamo wraps an error raised while tracing: the innermost one names what happened
@@ -366,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(root).strip().splitlines() or [""])[0]
         print(json.dumps({"error": f"{type(root).__name__}: {first}"[:300]}), flush=True)
         return 1
-    print(json.dumps({"compiled_s": round(seconds, 2), "calls": len(job.calls)}), flush=True)
+    print(json.dumps(report), flush=True)
     return 0
 
 
