@@ -5,10 +5,10 @@ then each block kind as the forward first reaches it, then the loss, then (lazil
 region's backward graph. `small` on an H100 spent 51-60 s on the forward and 16 s on the backward
 (BENCHMARKS.md, K8). Each block kind's graphs depend only on the model's settings and the batch's shapes,
 so a helper per block kind (and one for the loss) builds the model on the meta device, gives its own
-blocks real (uninitialised) storage one at a time and runs each forward and backward on zero inputs of the
-trainer's shapes, under the trainer's compile settings, autocast and warmup marking: the graphs land in
-the on-disk caches the trainer's compile of the same regions then reads. A helper that finishes after the
-trainer reached its blocks cost only CPU time.
+blocks storage one at a time (small values: the graphs do not depend on them) and runs each forward and
+backward on zero inputs of the trainer's shapes, under the trainer's compile settings, autocast and
+warmup marking: the graphs land in the on-disk caches that the trainer's compile of the same regions then
+reads. A helper that finishes after the trainer reached its blocks cost only CPU time.
 
 Single-process and replicate runs only: fsdp and expert parallelism wrap the blocks in other graphs.
 """
@@ -31,6 +31,7 @@ from megacpp.model.hybrid import HybridLM
 from megacpp.runtime.device import autocast_context
 from megacpp.train.config import recompute_kinds
 from megacpp.train.determinism import configure_mode
+from megacpp.train.recompute import apply_recompute
 from megacpp.train.step_prewarm import HelperProcesses, helper_main, helper_report, start_helpers
 
 
@@ -81,8 +82,6 @@ def _give_storage(module: nn.Module, device: torch.device) -> None:
 
 def run_job(job: ModelJob) -> float:
     """Compile `job`'s regions in this process as the trainer would compile them; their seconds."""
-    from megacpp.train.recompute import apply_recompute
-
     configure_mode(job.deterministic)
     prepare_compile(job.compile)
     device = torch.device(job.device)
@@ -106,7 +105,7 @@ def run_job(job: ModelJob) -> float:
         with autocast_context(device):
             out = block(x, segments)
         out.backward(torch.zeros_like(out))
-        block.to_empty(device="meta")  # one block's storage at a time: nam52's are 0.1-0.5 GB each
+        block.to_empty(device="meta")  # one block's storage at a time: an E block of nam52 is 1.0 GB in fp32
     if job.loss:
         for name, child in model.named_children():
             if name != "blocks":
