@@ -32,6 +32,24 @@ def test_one_job_per_block_kind_with_all_its_blocks_and_one_for_the_loss():
     assert (jobs["loss"].batch, jobs["loss"].seq_len) == (8, 2048)
 
 
+@pytest.mark.parametrize(("mode", "strategy", "ep", "retry", "local_rank", "reason"), [
+    ("blocks", "single process", 1, False, 0, None),
+    ("blocks", "replicate", 1, False, 0, None),
+    ("blocks", "replicate", 1, False, 1, "local rank 0's helpers fill this host's compile cache"),
+    ("model", "single process", 1, False, 0, "compile.mode is model, not blocks"),
+    ("none", "single process", 1, False, 0, "compile.mode is none, not blocks"),
+    ("blocks", "fsdp", 1, False, 0, "fsdp wraps the blocks in other graphs"),
+    ("blocks", "replicate", 2, False, 0, "expert parallelism wraps the blocks in other graphs"),
+    ("blocks", "single process", 1, True, 0, "an auto-fit retry (memory is tight there)"),
+])
+def test_the_helpers_start_only_where_the_trainer_compiles_plain_blocks(mode, strategy, ep, retry, local_rank,
+                                                                         reason):
+    from megacpp.compile.config import CompileConfig
+    from megacpp.train.model_prewarm import skip_reason
+
+    assert skip_reason(CompileConfig(mode=mode), strategy, ep, retry, local_rank) == reason
+
+
 @pytest.mark.slow
 def test_tier1_the_helpers_graphs_are_the_ones_the_first_step_compiles(tmp_path):
     """With the helpers done before the trainer's first compile, every graph of its first forward and

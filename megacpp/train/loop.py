@@ -65,6 +65,7 @@ from megacpp.train.interrupt import StopRequest
 from megacpp.train.lifecycle import RunDirectory
 from megacpp.train.metrics import MetricsLogger, plot_loss
 from megacpp.train.model_prewarm import ModelPrewarm, model_jobs
+from megacpp.train.model_prewarm import skip_reason as model_skip_reason
 from megacpp.train.phase_clock import PhaseClock
 from megacpp.train.plan import BatchPlan, resumed_plan, trained_config
 from megacpp.train.profile import StepProfiler
@@ -216,10 +217,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.compile.model_helper == "off":
             return None, ""
-        plain_blocks = self.parallel.name in ("single process", "replicate") and cfg.dist.expert_parallel <= 1
-        why_not = ("compile.mode is not blocks" if cfg.compile.mode != "blocks" else
-                   "an auto-fit retry" if self.attempt.is_retry else
-                   None if plain_blocks else f"data parallelism {self.parallel.name} wraps the blocks in other graphs")
+        why_not = model_skip_reason(cfg.compile, self.parallel.name, cfg.dist.expert_parallel, self.attempt.is_retry,
+                                    self.ctx.local_rank)
         if why_not is not None:
             return None, f"model helper: none ({why_not})"
         jobs = model_jobs(self.model, cfg.compile, cfg.train.deterministic, cfg.train.recompute, self.device,

@@ -67,6 +67,22 @@ def model_jobs(model: HybridLM, compile_cfg: CompileConfig, deterministic: bool,
     return jobs
 
 
+def skip_reason(compile_cfg: CompileConfig, data_parallel: str, expert_parallel: int, retry: bool,
+                local_rank: int) -> str | None:
+    """Why no model helper starts for this process (None: they start, `compile.model_helper` being on).
+    ``data_parallel``: the strategy's name ("single process", "replicate", ...). Under replicate every rank
+    compiles the same graphs into its host's cache: local rank 0's helpers serve the others."""
+    if compile_cfg.mode != "blocks":
+        return f"compile.mode is {compile_cfg.mode}, not blocks"
+    if data_parallel not in ("single process", "replicate") or expert_parallel > 1:
+        return f"{data_parallel if expert_parallel <= 1 else 'expert parallelism'} wraps the blocks in other graphs"
+    if retry:
+        return "an auto-fit retry (memory is tight there)"
+    if local_rank != 0:
+        return "local rank 0's helpers fill this host's compile cache"
+    return None
+
+
 def _give_storage(module: nn.Module, device: torch.device) -> None:
     """Real storage for a meta-built module's parameters and buffers, filled with small values (a garbage
     value could make the routing of an E block or a soft-cap overflow; the graphs do not depend on them)."""
