@@ -22,11 +22,12 @@ def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict:
 
 
 # The main thread (tid 1) launches from 1000 us to 10000 us, the autograd thread (tid 2) runs 4000-7000 us;
-# FSDP2's hook ranges named per block count as one name; one Muon step at 8000 us for 2000 us; the host waits 700 us in one synchronization (a launch is not a
-# wait); a kernel is device time, not host time.
+# FSDP2's hook ranges named per block count as one name; one Muon step at 8000 us for 2000 us; the host
+# waits 700 us in one synchronization (a launch is not a wait); a kernel is device time, not host time.
 EVENTS = [
     _x("cpu_op", "aten::mm", 1000, 500), _x("user_annotation", "FSDP::pre_forward (blocks.0)", 1000, 1500),
-    _x("user_annotation", "FSDP::pre_forward (blocks.1)", 3000, 600), _x("cpu_op", "autograd::engine", 4000, 3000, tid=2),
+    _x("user_annotation", "FSDP::pre_forward (blocks.1)", 3000, 600),
+    _x("cpu_op", "autograd::engine", 4000, 3000, tid=2),
     _x("user_annotation", "Optimizer.step#Muon.step", 8000, 2000), _x("cpu_op", "aten::item", 9500, 500),
     _x("cuda_runtime", "cudaStreamSynchronize", 9300, 700), _x("cuda_runtime", "cudaLaunchKernel", 1000, 10),
     _x("kernel", "gemm", 500, 20000, tid=99), {"ph": "i", "cat": "cpu_op", "name": "instant", "ts": 0},

@@ -17,8 +17,9 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from megacpp.train.profile import is_host_wait
+
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
-SYNC_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def load_events(path: Path) -> list[dict]:
@@ -52,8 +53,7 @@ def host_timeline(events: list[dict]) -> dict:
     steps = [{"name": e["name"], "start_ms": ms(float(e["ts"])), "dur_ms": float(e.get("dur", 0)) / 1000.0}
              for e in sorted(host, key=lambda e: float(e["ts"]))
              if e.get("cat") == "user_annotation" and e["name"].startswith("Optimizer.step#")]
-    wait = sum(float(e.get("dur", 0)) for e in events
-               if e.get("cat") in SYNC_CATEGORIES and "Synchronize" in str(e.get("name", ""))) / 1000.0
+    wait = sum(float(e.get("dur", 0)) for e in events if is_host_wait(e)) / 1000.0
     counts: Counter = Counter()
     totals: dict[str, float] = defaultdict(float)
     for e in host:

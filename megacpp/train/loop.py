@@ -161,8 +161,7 @@ class Trainer:
                                       grad_norm=self.parallel.grad_norm)
         self.step_jobs: dict[str, HelperJob] = {}  # marked compiled after the first optimizer step
         self.step_prewarm, self.step_prewarm_note = self._start_step_prewarm()
-        self.model_prewarm, model_note = self._start_model_prewarm()
-        self.step_prewarm_note += f"\n{model_note}" if model_note else ""
+        self.model_prewarm, self.model_prewarm_note = self._start_model_prewarm()
         self.model_cache_counts: tuple[int, int] | None = None  # the first forward and backward's FX cache
         self.reduce_statistics = StatisticsReducer(self.model, ctx)
         self.part_grad_norms = PartGradNorms(self.model, ctx, self.parallel.experts)
@@ -470,6 +469,7 @@ class Trainer:
             + (f"; {self.parallel.describe()}" if self.ctx.distributed else ""),
             self.compile_status.format(),
             self.step_prewarm_note,
+            *([self.model_prewarm_note] if self.model_prewarm_note else []),
             f"model {self.cfg.model.pattern} x depth {self.cfg.model.depth} ({self.model.layout}), "
             f"d_model {self.cfg.model.d_model}, vocab {self.cfg.model.vocab_size}",
             self.parameter_table,

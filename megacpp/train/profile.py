@@ -38,6 +38,11 @@ BUSY_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
+def is_host_wait(event: dict) -> bool:
+    """Whether a trace event is the host blocked in a CUDA synchronization."""
+    return event.get("cat") in HOST_API_CATEGORIES and "Synchronize" in str(event.get("name", ""))
+
+
 @dataclass(frozen=True)
 class StepSplit:
     """A rank's profiled steps, per step, in milliseconds."""
@@ -106,7 +111,7 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
         if event.get("ph") != "X":
             continue
         span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
-        if event.get("cat") in HOST_API_CATEGORIES and "Synchronize" in str(event.get("name", "")):
+        if is_host_wait(event):
             host_wait.append(span)
         if event.get("cat") not in BUSY_CATEGORIES:
             continue
