@@ -64,7 +64,7 @@ def test_tier3_compiled_step_no_recompiles_over_50_steps(fresh_dynamo, kind: str
     before = _recompiles()
     _drive(opt, params, steps=50, hparams=hparams)
     assert _recompiles() - before == 0
-    # The whole step is one graph; Muon's two (muon.STEP_PARTS: SHAPES' buckets split into two runs).
+    # The whole step is one graph; Muon's one per run of buckets (muon.STEP_PARTS): SHAPES' two buckets, two.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (2 if kind == "muon" else 1)
 
 

@@ -259,3 +259,21 @@ def test_flex_layout_crosses_compiled_block_regions_without_breaks_or_recompiles
             assert health.break_sites() == {}
             assert health.totals().recompiles_after_warmup == 0
             assert health.snapshot()["HybridLM.segments"].graphs == 1
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tier1_ordered_layout_op_agrees_with_its_fake_kernel(transposed: bool) -> None:
+    """The ordering op runs opaque inside compiled regions (Inductor 2.11 could not generate its scatter at
+    512 blocks), so its fake kernel must promise what it returns: shapes, dtypes and contiguous strides,
+    also for the transposed (query-side) layouts. A fake that promised the input's strides made a 64K-token
+    run fail Inductor's stride assertion on an H100."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(2, 1, 37, 37, generator=g) < 0.3
+    dense = dense.transpose(-2, -1) if transposed else dense
+    torch.library.opcheck(torch.ops.megacpp.ordered_block_layout.default, (dense,))
+    count, indices = torch.ops.megacpp.ordered_block_layout(dense)
+    assert indices.is_contiguous() and count.shape == dense.shape[:-1]
+    for row, (n, order) in enumerate(zip(count.flatten(0, 2), indices.flatten(0, 2), strict=True)):
+        flags = dense.flatten(0, 2)[row]
+        expected = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()]).to(torch.int32)
+        assert n.item() == int(flags.sum()) and torch.equal(order, expected)

@@ -133,16 +133,27 @@ def document_block_layout(index: Tensor | None, t: int, device: torch.device) ->
     return (any_visible & ~full)[:, None], full[:, None]
 
 
+@torch.library.custom_op("megacpp::ordered_block_layout", mutates_args=())
 def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     """A block layout as FlexAttention orders it: each row's count of set blocks, and the block indices
     with the set ones first, each group in ascending order (int32). A stable partition, placed by running
     counts rather than sorted: compiled on torch 2.11, ``argsort`` (create_block_mask's way) lowers to
-    Triton sorts whose cold compile took 8-11.5 s and 4-5.3 s on an H100 (pytorch/pytorch#182060)."""
-    dense = dense.to(torch.int32)
+    Triton sorts whose cold compile took 8-11.5 s and 4-5.3 s on an H100 (pytorch/pytorch#182060).
+
+    An opaque op, run eagerly inside compiled regions: Inductor 2.11's Triton code generation of the
+    scatter failed at 512 blocks (65,536 tokens) on an H100 ("list indices must be integers or slices,
+    not NoneType" in ``get_block_shape``), and the layout is a few small kernels either way. Its outputs
+    are contiguous whatever the input's strides (the q-side layouts come in transposed), as the fake says."""
+    dense = dense.to(torch.int32).contiguous()
     count = dense.sum(dim=-1, dtype=torch.int32)
     place = torch.where(dense.bool(), dense.cumsum(dim=-1) - 1, count[..., None] + (1 - dense).cumsum(dim=-1) - 1)
     column = torch.arange(dense.shape[-1], dtype=torch.int32, device=dense.device).expand_as(dense)
     return count, torch.empty_like(dense).scatter_(-1, place.long(), column)
+
+
+@_ordered.register_fake
+def _(dense: Tensor) -> tuple[Tensor, Tensor]:
+    return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
 
 
 def block_mask(segments: Segments, t: int) -> BlockMask:

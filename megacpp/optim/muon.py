@@ -176,19 +176,28 @@ def muon_step(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> Non
         muon_update(*args, plan)
 
 
-# The compiled step is two graphs, each over a run of buckets, so that two helper processes compile them
-# side by side (`train.step_prewarm`): as one graph, `small`'s step took its helper 60.5 s on an H100, the
-# longest path of the cold first step (the model's forward and backward: 44.6 s). Each part is a function
-# of its own: Dynamo keys its cache on the code object, and one function for both would be a recompile.
-def muon_step_first_part(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+# The compiled step is four graphs, each over a run of buckets, so that four helper processes compile them
+# side by side (`train.step_prewarm`): `small`'s step as one graph took its helper 60.5 s on an H100, as two
+# 49-60 s each, the longest path of the cold first step; as four 20-41 s, and that first step fell from
+# 87.8 to 62.0 s (BENCHMARKS.md, K9). Each part is a function of its own: Dynamo keys its cache on the code
+# object, and one function for every part would be a recompile.
+def muon_step_part1(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
     muon_step(work, plans)
 
 
-def muon_step_second_part(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+def muon_step_part2(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
     muon_step(work, plans)
 
 
-STEP_PARTS = (muon_step_first_part, muon_step_second_part)
+def muon_step_part3(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+    muon_step(work, plans)
+
+
+def muon_step_part4(work: list[tuple[Any, ...]], plans: tuple[BucketPlan, ...]) -> None:
+    muon_step(work, plans)
+
+
+STEP_PARTS = (muon_step_part1, muon_step_part2, muon_step_part3, muon_step_part4)
 
 
 def step_parts(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:

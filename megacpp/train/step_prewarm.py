@@ -44,6 +44,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.workers import start_compile_workers
 from megacpp.optim.hparams import StepCall
+from megacpp.optim.muon import STEP_PARTS
 from megacpp.train.autofit.attempt import die_with_parent
 from megacpp.train.determinism import configure_mode
 from megacpp.versions import package_version, torch_version
@@ -53,7 +54,7 @@ from megacpp.versions import package_version, torch_version
 HELPER_MEMORY_SHARE = 0.10
 WAIT_TIMEOUT_S = 1800.0  # longer than any cold compile measured (nam52's step: 98 s): a hung helper is killed
 # A Muon step compiles as several graphs (`optim.muon.STEP_PARTS`): each its own helper, side by side.
-HELPERS_PER_OPTIMIZER = 2
+HELPERS_PER_OPTIMIZER = len(STEP_PARTS)
 MARKS_DIR = "megacpp-step-prewarm"  # under the Inductor cache directory: one empty file per compiled job key
 
 
