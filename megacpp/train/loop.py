@@ -224,6 +224,7 @@ class Trainer:
                           self.batch.micro_batch, cfg.data.seq_len)
         suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
         prewarm = ModelPrewarm.start(jobs, self.out_dir / "logs", suffix)
+        prewarm.attach(self.model.blocks)  # the first forward waits for each kind's graph instead of racing it
         return prewarm, f"model helper: compiling {', '.join(jobs)} beside the trainer (logs: model_helper.*)"
 
     def _claim(self, resume: bool) -> None:
