@@ -106,3 +106,27 @@ def test_tier1_context_study_refuses_bad_variants_before_training(bench, monkeyp
         monkeypatch.setattr(sys, "argv", ["context_study.py", "--out", str(out), *variants, "--", "--data.corpus", "x"])
         assert expected in one_line_exit(bench["context"].main)
     assert trained == [] and not out.exists()
+
+
+def test_tier1_context_study_reports_a_failed_run_and_still_compares_the_others(bench, monkeypatch, tmp_path):
+    """A variant whose training failed at its start (a metrics file without any validation record) is one row
+    naming its log; the table and the comparisons of the other runs are still written."""
+    out = tmp_path / "study"
+
+    def fake_run(v, gpu, args, extra):
+        if v.preset == "small":
+            metrics = write_run(out / v.label) / "metrics.jsonl"
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            metrics.write_text("".join(json.dumps({**r, "tok_per_s": 1000.0} if r["kind"] == "train" else r) + "\n"
+                                       for r in records))
+        else:
+            (out / v.label).mkdir(parents=True)
+            (out / v.label / "metrics.jsonl").write_text(json.dumps({"step": 0, "kind": "baselines"}) + "\n")
+
+    monkeypatch.setattr(bench["context"], "run_variant", fake_run)
+    monkeypatch.setattr(sys, "argv", ["context_study.py", "--out", str(out), "small:2048", "dense:2048"])
+    bench["context"].main()
+    summary = (out / "summary.md").read_text()
+    assert f"| dense_2048 | no validation record: the training failed or stopped before its first evaluation " \
+           f"(its output: {out / 'dense_2048.train.log'}) |" in summary
+    assert "| small_2048 | " in summary and "## 2048 tokens of context" in summary

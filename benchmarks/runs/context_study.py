@@ -98,11 +98,19 @@ def run_variant(v: Variant, gpu: str, args: argparse.Namespace, extra: list[str]
     print(f"{v.label} on GPU {gpu}: eval exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
+def evaluated(run: Path) -> bool:
+    """Whether the run directory holds a validation record (a run that failed at its start holds none)."""
+    return (run / "metrics.jsonl").is_file() and any(r["kind"] == "val" for r in run_metrics(run))
+
+
 def summary_row(v: Variant, out: Path) -> str:
     """One table row: throughput and memory from the training records, the final and position figures."""
     run = out / v.label
     if not (run / "metrics.jsonl").is_file():
         return f"| {v.label} | no run |"
+    if not evaluated(run):
+        return (f"| {v.label} | no validation record: the training failed or stopped before its first evaluation "
+                f"(its output: {out / f'{v.label}.train.log'}) |")
     records = run_metrics(run)
     train = [r for r in records if r["kind"] == "train"]
     half = train[len(train) // 2:]
@@ -172,7 +180,7 @@ def main() -> None:
     lines += [summary_row(v, args.out) for v in variants]
     by_length: dict[int, list] = {}
     for v in variants:
-        if (args.out / v.label / "metrics.jsonl").is_file():
+        if evaluated(args.out / v.label):
             by_length.setdefault(v.seq_len, []).append(load_run_dir(v.label, args.out / v.label))
     for length, runs in sorted(by_length.items()):
         lines.append(f"\n## {length} tokens of context\n{report(runs, args.out / f'quality_{length}.png')}")
