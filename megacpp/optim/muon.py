@@ -19,7 +19,7 @@ rows and only moves the orthogonalization to where whole matrices are.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -216,6 +216,12 @@ def step_parts(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
     return [run for run in runs if run]
 
 
+def _parts(buckets: list[Bucket]) -> list[tuple[Callable[..., None], list[Bucket]]]:
+    """Each run of `step_parts` with the step function that takes it; with fewer runs than parts (a single
+    bucket), the first functions take them."""
+    return list(zip(STEP_PARTS, step_parts(buckets, len(STEP_PARTS)), strict=False))
+
+
 class Bucket(NamedTuple):
     """Same-shape parameters of one group, stepped as one stack."""
 
@@ -351,8 +357,7 @@ class Muon(TensorHParamOptimizer):
 
     def step_buckets(self, buckets: list[Bucket]) -> None:
         """Step whole matrices: one (optionally compiled) call per run of buckets (`step_parts`)."""
-        # Fewer runs than parts (a single bucket): the first functions take them.
-        for fn, part in zip(STEP_PARTS, step_parts(buckets, len(STEP_PARTS)), strict=False):
+        for fn, part in _parts(buckets):
             self._run(fn, *self._step_args(part))
 
     def first_step_calls(self) -> list[StepCall]:
@@ -361,7 +366,7 @@ class Muon(TensorHParamOptimizer):
     def _whole_matrix_calls(self, buckets: list[Bucket]) -> list[StepCall]:
         """`step_buckets`'s calls for these buckets, with gradient stand-ins."""
         return [StepCall(fn, self._step_args(part, gradient_stand_in), self.compile_backend)
-                for fn, part in zip(STEP_PARTS, step_parts(buckets, len(STEP_PARTS)), strict=False)]
+                for fn, part in _parts(buckets)]
 
     def _step_args(self, buckets: list[Bucket], grad_of: GradientOf = gradient) -> tuple[Any, ...]:
         """`muon_step`'s arguments for these buckets."""
