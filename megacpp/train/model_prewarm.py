@@ -41,8 +41,9 @@ from megacpp.train.determinism import configure_mode
 from megacpp.train.recompute import apply_recompute
 from megacpp.train.step_prewarm import WAIT_TIMEOUT_S, HelperProcesses, helper_main, helper_report, start_helpers
 
-FORWARD_READY = "megacpp model helper: forward compiled"  # the line a helper prints when its forward graph is in
-POLL_S = 0.05
+# What a block kind's helper prints once that kind's forward graph is in the cache.
+FORWARD_READY = "megacpp model helper: forward compiled"
+POLL_S = 0.05  # how often the waiting trainer reads a helper's log (a compile takes seconds)
 
 
 @dataclass(frozen=True)
