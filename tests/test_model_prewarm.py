@@ -93,9 +93,10 @@ def test_tier1_the_trainer_waits_for_a_helpers_forward_line_its_exit_or_the_time
     prewarm = _prewarm_of(tmp_path, {"A": ready_late, "E": "import time; time.sleep(0.5)",
                                      "M": "import time; time.sleep(60)"}, {"A": 0, "E": 1, "M": 2})
     try:
-        waited = prewarm.wait_for_forward("A")
+        waited = prewarm.wait_for_forward("A", timeout_s=60)
         assert 0.8 <= waited < 30 and prewarm.processes["A"].poll() is None  # the line, not the exit, ended it
-        assert prewarm.wait_for_forward("E") < 30 and prewarm.processes["E"].poll() == 0  # ended without the line
+        # ended without the line
+        assert prewarm.wait_for_forward("E", timeout_s=60) < 30 and prewarm.processes["E"].poll() == 0
         assert 0.3 <= prewarm.wait_for_forward("M", timeout_s=0.3) < 10  # neither: the timeout
     finally:
         prewarm.stop()

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--target-mib", type=int, default=H100_80GB_BYTES // 2**20,
                         help="the card size to leave, in MiB (default: an H100 80GB's 81,559)")
     args = parser.parse_args()
+    if args.target_mib <= 0:
+        parser.error(f"--target-mib must be a positive size in MiB, got {args.target_mib}")
 
     import torch
 
@@ -49,7 +51,10 @@ def main() -> None:
     for index in args.gpus:
         total = torch.cuda.mem_get_info(index)[1]
         extra = bytes_to_hold(total, args.target_mib * 2**20)
-        held.append(torch.empty(extra, dtype=torch.uint8, device=f"cuda:{index}"))
+        try:
+            held.append(torch.empty(extra, dtype=torch.uint8, device=f"cuda:{index}"))
+        except torch.OutOfMemoryError:
+            raise SystemExit(f"GPU {index}: cannot hold {extra / 2**30:.1f} GiB (is another job on it?)") from None
         free = torch.cuda.mem_get_info(index)[0]
         print(f"GPU {index}: {total / 2**30:.1f} GiB, held {extra / 2**30:.1f} GiB, free now {free / 2**30:.1f} GiB",
               flush=True)
