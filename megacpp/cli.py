@@ -126,6 +126,12 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--batches {args.batches}: must be >= 0 (0 = the whole validation split)")
     if args.out is not None and not args.by_position:
         raise UsageError(f"--out {args.out}: only --by-position writes a file (add --by-position)")
+    if args.context_window is not None:
+        if not args.by_position:
+            raise UsageError(f"--context-window {args.context_window}: it cuts the context of --by-position's curve "
+                             "(add --by-position)")
+        if args.context_window < 1:
+            raise UsageError(f"--context-window {args.context_window}: must be >= 1 token")
     if args.cpp_syntax < 0:
         raise UsageError(f"--cpp-syntax {args.cpp_syntax}: must be >= 0 (the number of functions; 0 = off)")
     if args.cpp_tokens is not None and args.cpp_tokens < 1:
@@ -187,8 +193,8 @@ def cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     if args.by_position:
         from megacpp.runtime.position_curve import default_curve_path
 
-        curve = session.position_curve(args.batches)
-        path = args.out or default_curve_path(session.checkpoint)
+        curve = session.position_curve(args.batches, args.context_window)
+        path = args.out or default_curve_path(session.checkpoint, args.context_window)
         curve.write(path)
         print(f"{curve.table()}\nwrote {path}")
     if compiler is not None:
@@ -325,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by-position", action="store_true",
                    help="also bits/byte by position in the document (1-64, 65-128, ... tokens of context): "
                    "a table, and JSON written to --out or RUN/position_curve-<checkpoint>.json")
+    p.add_argument("--context-window", type=int, metavar="W",
+                   help="with --by-position: the model reads each document in windows of W tokens (each a document "
+                   "of its own), positions still counted in the document; against the full curve, what context "
+                   "past W tokens is worth (JSON: RUN/position_curve-<checkpoint>-windowW.json)")
     p.add_argument("--out", type=Path, metavar="FILE", help="where --by-position writes its JSON")
     p.add_argument("--cpp-syntax", type=int, default=0, metavar="N",
                    help="also complete N held-out C++ functions of the validation split greedily and check each "

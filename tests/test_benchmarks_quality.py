@@ -3,6 +3,7 @@ mistakes in naming them, end in one line (SystemExit with a message), never a tr
 any quality_study variant is reported before any variant trains."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -130,3 +131,31 @@ def test_tier1_context_study_reports_a_failed_run_and_still_compares_the_others(
     assert f"| dense_2048 | no validation record: the training failed or stopped before its first evaluation " \
            f"(its output: {out / 'dense_2048.train.log'}) |" in summary
     assert "| small_2048 | " in summary and "## 2048 tokens of context" in summary
+
+
+def test_tier1_context_study_cuts_the_context_for_a_second_curve(bench, monkeypatch, tmp_path):
+    """--window W: after the full evaluation, one more `eval --by-position --context-window W` per run whose
+    rows are longer than W (none for a run at W or shorter), and the summary gives both curves."""
+    study = bench["context"]
+    commands = []
+    monkeypatch.setattr(study, "run_logged", lambda cmd, log, gpu, timeout_s: commands.append(cmd) or "0")
+    args = argparse.Namespace(out=tmp_path, cpp_syntax=0, window=512, timeout_s=10.0, steps=2, eval_every=1,
+                              tokens_per_step=4096)
+    study.run_variant(study.Variant("small", 2048), "0", args, [])
+    assert [c[c.index("megacpp.cli") + 1] for c in commands] == ["train", "eval", "eval"]
+    cut = commands[-1]
+    assert cut[cut.index("--context-window") + 1] == "512" and "--by-position" in cut
+    assert cut[cut.index("--out") + 1] == str(tmp_path / "small_2048" / study.WINDOW_CURVE)
+    commands.clear()
+    study.run_variant(study.Variant("small", 512), "0", args, [])
+    assert [c[c.index("megacpp.cli") + 1] for c in commands] == ["train", "eval"]
+
+    run = write_run(tmp_path / "dense_2048")
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "tok_per_s": 1000.0} if r["kind"] == "train" else r) + "\n"
+                               for r in records))
+    bucket = {"first": 1, "last": 64, "tokens": 1, "bytes": 1, "nats": 1.0}
+    for name, bpb, window in (("position_curve.json", 1.25, None), (study.WINDOW_CURVE, 1.5, 512)):
+        (run / name).write_text(json.dumps({"context_window": window, "buckets": [{**bucket, "bits_per_byte": bpb}]}))
+    assert "1-64: 1.250; context cut to 512: 1-64: 1.500 |" in study.summary_row(study.Variant("dense", 2048), tmp_path)

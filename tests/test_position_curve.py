@@ -16,7 +16,13 @@ from megacpp.cli import main
 from megacpp.config import Config
 from megacpp.infer.session import load_session
 from megacpp.runtime.evaluate import evaluate_bpb
-from megacpp.runtime.position_curve import bucket_bounds, context_positions, default_curve_path, position_curve
+from megacpp.runtime.position_curve import (
+    bucket_bounds,
+    context_positions,
+    default_curve_path,
+    position_curve,
+    window_doc_ids,
+)
 from megacpp.train.loop import Trainer
 from tests.helpers import tiny_train_config, write_corpus
 
@@ -36,6 +42,17 @@ def test_tier1_positions_restart_at_each_document():
                                                                  [1, 2, 1, 1, 2, 3, 1, 2, 3]]))
 
 
+def test_tier1_windows_cut_each_document_into_numbered_pieces():
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 3, 3, 3], [4, 4, 4, 4, 4, 4, 4, 4]], dtype=torch.int32)
+    assert torch.equal(window_doc_ids(doc_ids, 2), torch.tensor([[1, 1, 2, 2, 3, 4, 4, 5], [1, 1, 2, 2, 3, 3, 4, 4]],
+                                                                dtype=torch.int32))
+    assert torch.equal(window_doc_ids(doc_ids, 5), torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 2, 2, 2]],
+                                                                dtype=torch.int32))
+    assert torch.equal(window_doc_ids(doc_ids, 8), torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2], [1] * 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="context window 0: must be >= 1"):
+        window_doc_ids(doc_ids, 0)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A two-step tiny run at 160 tokens per row (buckets 1-64, 65-128, 129-160), long files so that
@@ -48,11 +65,26 @@ def run(tmp_path_factory) -> Path:
     return tmp / "run"
 
 
-def reference_buckets(model, data, bounds) -> list[list[float]]:
-    """[nats, bytes, tokens] per bucket by the definition, NLL in float64."""
+def windowed_ids(inputs: torch.Tensor, bos_id: int, window: int) -> torch.Tensor:
+    """By the definition: a new piece at each row's start, at each BOS and after every `window` tokens of a
+    document."""
+    ids = torch.zeros_like(inputs, dtype=torch.int32)
+    for r in range(inputs.shape[0]):
+        piece, read = 0, 0
+        for i in range(inputs.shape[1]):
+            read = 1 if inputs[r, i] == bos_id or i == 0 else read + 1
+            piece += (read - 1) % window == 0
+            ids[r, i] = piece
+    return ids
+
+
+def reference_buckets(model, data, bounds, window: int | None = None) -> list[list[float]]:
+    """[nats, bytes, tokens] per bucket by the definition, NLL in float64; with `window`, the model reads
+    each document in pieces of that many tokens and targets keep their position in the document."""
     sums = [[0.0, 0, 0] for _ in bounds]
     for batch in data.val_batches(BATCHES):
-        logits = model(batch.inputs, doc_ids=batch.doc_ids).double()
+        doc_ids = batch.doc_ids if window is None else windowed_ids(batch.inputs, data.shards.bos_id, window)
+        logits = model(batch.inputs, doc_ids=doc_ids).double()
         nll = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view(batch.targets.shape)
         for r in range(batch.inputs.shape[0]):
             read = 0
@@ -89,6 +121,56 @@ def test_tier3_buckets_equal_the_definition_and_add_up_to_evaluate_bpb(run):
     assert math.isclose(curve.bits_per_byte, expected_bpb, rel_tol=1e-5)
     assert math.isclose(curve.bits_per_byte, math.fsum(r[0] for r in reference) / math.log(2) / total_bytes,
                         rel_tol=1e-6)
+
+
+def test_tier3_a_cut_context_equals_the_definition_and_changes_only_past_the_window(run):
+    """With windows of 64 tokens the buckets equal the definition's (the model fed pieces of 64 tokens, its
+    targets bucketed by document position; nats within 1e-6 relative as above). Bucket 1-64 lies in the
+    first window, which reads the same tokens either way (within 1e-5 relative: the rows' masks past it
+    differ, so the kernels' sums may round differently); bucket 65-128 reads less, so it must differ (a
+    two-step model barely uses its context: by ~2e-5 relative here)."""
+    session = load_session(run, Config())
+    data = session.data()
+    with torch.no_grad():
+        full = position_curve(session.model, data, session.device, BATCHES)
+        cut = position_curve(session.model, data, session.device, BATCHES, context_window=64)
+        reference = reference_buckets(session.model, data, bucket_bounds(160), window=64)
+    assert cut.context_window == 64
+    for bucket, (nats, nbytes, tokens) in zip(cut.buckets, reference, strict=True):
+        assert (bucket.bytes, bucket.tokens) == (nbytes, tokens)
+        assert math.isclose(bucket.nats, nats, rel_tol=1e-6)
+    assert [(b.bytes, b.tokens) for b in cut.buckets] == [(b.bytes, b.tokens) for b in full.buckets]
+    assert math.isclose(cut.buckets[0].nats, full.buckets[0].nats, rel_tol=1e-5)
+    assert cut.buckets[1].nats != full.buckets[1].nats
+
+
+def test_tier1_a_window_as_long_as_the_row_is_the_full_curve(run):
+    """Windows of the row's length cut nothing: every bucket identical to the uncut curve."""
+    session = load_session(run, Config())
+    data = session.data()
+    with torch.no_grad():
+        full = position_curve(session.model, data, session.device, BATCHES)
+        uncut = position_curve(session.model, data, session.device, BATCHES, context_window=160)
+    assert uncut.buckets == full.buckets
+
+
+def test_cli_context_window_writes_its_own_curve(run, capsys):
+    assert main(["eval", "--checkpoint", str(run), "--batches", "1", "--by-position", "--context-window", "48"]) == 0
+    out = capsys.readouterr().out
+    path = default_curve_path(load_session(run, Config()).checkpoint, 48)
+    assert path.name.endswith("-window48.json") and f"wrote {path}" in out
+    assert "context cut to windows of 48 tokens" in out
+    assert json.loads(path.read_text())["context_window"] == 48
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--context-window", "48"], "--context-window 48: it cuts the context of --by-position's curve"),
+    (["--by-position", "--context-window", "0"], "--context-window 0: must be >= 1 token"),
+])
+def test_context_window_misuse_is_one_line(run, capsys, argv, message):
+    assert main(["eval", "--checkpoint", str(run), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
 
 
 def test_cli_eval_by_position_prints_the_table_and_writes_json(run, tmp_path, capsys):

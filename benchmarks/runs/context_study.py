@@ -10,10 +10,11 @@ seq_len rows) for `--steps` steps, so all variants see the same tokens; the time
 compare_quality.py's (training time after the first step, each run cut where the shortest one ended).
 Lengths past 8,192 get `model.attention.max_seq_len` and the documented RoPE theta for the length
 (`rope_theta_for_length`). After training, `megacpp eval --by-position` (and `--cpp-syntax N`) runs on
-the same GPU. Variants go to the GPUs in the order given (the next free GPU takes the next variant);
-each command runs under a timeout, a failure is reported and the study goes on. The arguments after
-`--` go to every `megacpp train`. Prints the tables at the end and writes them to --out/summary.md;
-every run's output is in --out.
+the same GPU, and with `--window W` the curve again with each document read in windows of W tokens
+(`--context-window`): where the two differ, the model uses context past W. Variants go to the GPUs in
+the order given (the next free GPU takes the next variant); each command runs under a timeout, a failure
+is reported and the study goes on. The arguments after `--` go to every `megacpp train`. Prints the
+tables at the end and writes them to --out/summary.md; every run's output is in --out.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from run_dirs import run_metrics
 from megacpp.model.rope_theta import rope_theta_for_length
 
 PRESET_MAX_SEQ_LEN = 8192  # the presets' attention.max_seq_len and RoPE tables
+WINDOW_CURVE = "position_curve_window.json"
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,28 @@ def run_variant(v: Variant, gpu: str, args: argparse.Namespace, extra: list[str]
                      "--cpp-tokens", str(args.cpp_tokens)]
     code = run_logged(evaluate, args.out / f"{v.label}.eval.log", gpu, args.timeout_s)
     print(f"{v.label} on GPU {gpu}: eval exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.window and args.window < v.seq_len:
+        start = time.perf_counter()
+        cut = [*megacpp, "eval", "--checkpoint", str(args.out / v.label), "--by-position",
+               "--context-window", str(args.window), "--out", str(args.out / v.label / WINDOW_CURVE)]
+        code = run_logged(cut, args.out / f"{v.label}.eval_window.log", gpu, args.timeout_s)
+        print(f"{v.label} on GPU {gpu}: eval with the context cut to {args.window} exit {code} in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 def evaluated(run: Path) -> bool:
     """Whether the run directory holds a validation record (a run that failed at its start holds none)."""
     return (run / "metrics.jsonl").is_file() and any(r["kind"] == "val" for r in run_metrics(run))
+
+
+def curve_picks(path: Path) -> str:
+    """A curve's buckets at 1, 1025 and 8193 tokens and its last, as "first-last: bits/byte, ..."."""
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())["buckets"]
+    picks = [b for b in data if b["first"] in (1, 1025, 8193) or b is data[-1]]
+    return ", ".join(f"{b['first']}-{b['last']}: {b['bits_per_byte']:.3f}" for b in picks
+                     if b["bits_per_byte"] is not None)
 
 
 def summary_row(v: Variant, out: Path) -> str:
@@ -120,13 +139,10 @@ def summary_row(v: Variant, out: Path) -> str:
     first = next((r["elapsed_s"] for r in train if r["step"] == 1 and "elapsed_s" in r), 0.0)
     vals = [r for r in records if r["kind"] == "val"]
     last_val = f"{vals[-1]['val_bpb']:.4f}" if vals else "-"
-    curve = run / "position_curve.json"
-    buckets = ""
-    if curve.is_file():
-        data = json.loads(curve.read_text())["buckets"]
-        picks = [b for b in data if b["first"] in (1, 1025, 8193) or b is data[-1]]
-        buckets = ", ".join(f"{b['first']}-{b['last']}: {b['bits_per_byte']:.3f}" for b in picks
-                            if b["bits_per_byte"] is not None)
+    buckets = curve_picks(run / "position_curve.json")
+    if cut := curve_picks(run / WINDOW_CURVE):
+        window = json.loads((run / WINDOW_CURVE).read_text())["context_window"]
+        buckets += f"; context cut to {window}: {cut}"
     syntax = "-"
     log = out / f"{v.label}.eval.log"
     if log.is_file():
@@ -150,6 +166,8 @@ def main() -> None:
     p.add_argument("--cpp-syntax", type=int, default=0, help="held-out functions completed per model (0: off)")
     p.add_argument("--cpp-context", type=int, default=512)
     p.add_argument("--cpp-tokens", type=int, default=96)
+    p.add_argument("--window", type=int, default=0,
+                   help="also the position curve with each document read in windows of this many tokens (0: off)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="each training or evaluation command's limit")
     args = p.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]

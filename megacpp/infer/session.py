@@ -73,10 +73,12 @@ class Session:
         data = self.data()
         return evaluate_bpb(self.model, data, self.device, batches), data.baselines
 
-    def position_curve(self, batches: int) -> PositionCurve:
+    def position_curve(self, batches: int, context_window: int | None = None) -> PositionCurve:
         """Bits per byte by position in the document over the same batches as `evaluate`, in the training's
-        micro-batches (a row of 65,536 tokens has logits of 8 GiB in fp32 at a 32K vocabulary)."""
-        return position_curve(self.model, self.data(), self.device, batches, self.config.train.micro_batch or None)
+        micro-batches (a row of 65,536 tokens has logits of 8 GiB in fp32 at a 32K vocabulary); with
+        `context_window`, each document read in windows of that many tokens."""
+        return position_curve(self.model, self.data(), self.device, batches, self.config.train.micro_batch or None,
+                              context_window)
 
     def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, context: int, timeout_s: float
                    ) -> SyntaxReport:

@@ -9,6 +9,13 @@ context has lower bits/byte in later buckets; a flat curve past some position sa
 
 Each bucket sums nats and UTF-8 bytes in float64 over the same validation batches as `evaluate_bpb`
 (special-token targets excluded from both), so the buckets add back up to its figure.
+
+A rising curve can be the text rather than the model: a repository document's later files differ from
+its first ones, and only the longest documents reach the last buckets. So a curve can be taken with the
+context cut (``context_window``): the model reads each document in windows of W tokens, each window a
+document of its own (mask, RoPE and resets restart), while targets stay bucketed by their position in
+the document. The same text scored both ways, the difference past W is what the context beyond W tokens
+is worth to the model.
 """
 from __future__ import annotations
 
@@ -43,6 +50,15 @@ def context_positions(doc_ids: Tensor) -> Tensor:
     return document_segments(doc_ids).positions + 1
 
 
+def window_doc_ids(doc_ids: Tensor, window: int) -> Tensor:
+    """doc_ids (b, t) with every document cut into windows of `window` tokens, each numbered as a document
+    of its own (numbers rise along the row, as the loader's do)."""
+    if window < 1:
+        raise ValueError(f"context window {window}: must be >= 1 token")
+    starts = document_segments(doc_ids).positions % window == 0  # a document's start is position 0
+    return starts.cumsum(dim=1).to(doc_ids.dtype)
+
+
 @dataclass(frozen=True)
 class Bucket:
     first: int  # positions first..last
@@ -61,6 +77,7 @@ class PositionCurve:
     seq_len: int
     batches: int
     buckets: list[Bucket]
+    context_window: int | None = None  # the model read documents in windows of this many tokens
 
     @property
     def bits_per_byte(self) -> float:
@@ -69,8 +86,9 @@ class PositionCurve:
         return nats / math.log(2) / max(sum(b.bytes for b in self.buckets), 1)
 
     def table(self) -> str:
+        cut = f", context cut to windows of {self.context_window} tokens" if self.context_window else ""
         rows = [f"bits/byte by position in the document ({self.batches} validation batches of rows of "
-                f"{self.seq_len} tokens)",
+                f"{self.seq_len} tokens{cut})",
                 f"  {'positions':>13}  {'tokens':>10}  {'bytes':>11}  bits/byte"]
         for b in self.buckets:
             bpb = f"{b.bits_per_byte:.4f}" if b.bits_per_byte is not None else "-"
@@ -81,8 +99,8 @@ class PositionCurve:
 
     def to_json(self) -> str:
         buckets = [{**asdict(b), "bits_per_byte": b.bits_per_byte} for b in self.buckets]
-        return json.dumps({"seq_len": self.seq_len, "batches": self.batches, "bits_per_byte": self.bits_per_byte,
-                           "buckets": buckets}, indent=1) + "\n"
+        return json.dumps({"seq_len": self.seq_len, "batches": self.batches, "context_window": self.context_window,
+                           "bits_per_byte": self.bits_per_byte, "buckets": buckets}, indent=1) + "\n"
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,8 +109,9 @@ class PositionCurve:
 
 @torch.no_grad()
 def position_curve(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
-                   micro_batch: int | None = None) -> PositionCurve:
-    """The curve over `max_batches` validation batches (the batches `evaluate_bpb` reads), on one process."""
+                   micro_batch: int | None = None, context_window: int | None = None) -> PositionCurve:
+    """The curve over `max_batches` validation batches (the batches `evaluate_bpb` reads), on one process;
+    with `context_window`, the model reads each document in windows of that many tokens."""
     bounds = bucket_bounds(data.seq_len)
     edges = torch.tensor([last for _, last in bounds], device=device)
     nats = torch.zeros(len(bounds), dtype=torch.float64, device=device)
@@ -107,20 +126,24 @@ def position_curve(model: nn.Module, data: DataBundle, device: torch.device, max
             rows = micro_batch or len(batch.inputs)
             for start in range(0, len(batch.inputs), rows):
                 part = slice(start, start + rows)
-                logits = model(batch.inputs[part], doc_ids=batch.doc_ids[part])
+                doc_ids = batch.doc_ids[part]
+                read = doc_ids if context_window is None else window_doc_ids(doc_ids, context_window)
+                logits = model(batch.inputs[part], doc_ids=read)
                 nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets[part].flatten(), reduction="none")
                 counted = batch.target_bytes[part].flatten() > 0
-                bucket = torch.bucketize(context_positions(batch.doc_ids[part]).flatten(), edges)[counted]
+                bucket = torch.bucketize(context_positions(doc_ids).flatten(), edges)[counted]
                 nats.index_add_(0, bucket, nll[counted].double())
                 nbytes.index_add_(0, bucket, batch.target_bytes[part].flatten()[counted].long())
                 tokens.index_add_(0, bucket, torch.ones_like(bucket))
     model.train(was_training)
     buckets = [Bucket(first, last, int(t), int(b), float(n))
                for (first, last), t, b, n in zip(bounds, tokens.tolist(), nbytes.tolist(), nats.tolist(), strict=True)]
-    return PositionCurve(data.seq_len, batches, buckets)
+    return PositionCurve(data.seq_len, batches, buckets, context_window)
 
 
-def default_curve_path(checkpoint: Path) -> Path:
-    """Next to the checkpoint's run: RUN/position_curve-step_NNNNNNNN.json (beside RUN/checkpoints/)."""
+def default_curve_path(checkpoint: Path, context_window: int | None = None) -> Path:
+    """Next to the checkpoint's run: RUN/position_curve-step_NNNNNNNN.json (beside RUN/checkpoints/), with
+    ``-window<W>`` before the suffix for a curve with the context cut."""
     run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    return run / f"position_curve-{checkpoint.name}.json"
+    window = f"-window{context_window}" if context_window else ""
+    return run / f"position_curve-{checkpoint.name}{window}.json"
