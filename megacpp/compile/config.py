@@ -37,7 +37,8 @@ class CompileConfig(ConfigSection):
     # auto = on CUDA when their copy of the step's tensors is at most a tenth of the card.
     optimizer_helper: OptimizerHelper = "auto"
     # Compile the model's block kinds and loss in helper processes, one per kind, while the trainer compiles
-    # them in order (megacpp.train.model_prewarm); one process or replicate, compile mode blocks.
+    # them in order (megacpp.train.model_prewarm); one process or replicate, compile mode blocks. Off: on one
+    # H100 `small`'s first step took 55.5-64.6 s with them and 58.4 s without (16 cores shared; BENCHMARKS K10).
     model_helper: ModelHelper = "off"
 
     @classmethod
