@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpp-tokens", type=int, metavar="T",
                    help="token budget of each --cpp-syntax completion (default: half of data.seq_len, at most 512)")
     p.add_argument("--cpp-context", type=int, metavar="T",
-                   help="prompt tokens of each --cpp-syntax case (default: the rest of the training row); the "
-                   "prompt is read one token at a time, so a shorter one is faster")
+                   help="prompt tokens of each --cpp-syntax case (default: the rest of the training row); a shorter "
+                   "prompt reads faster and gives the model less to go on")
     p.add_argument("--cpp-timeout", type=float, default=60.0, metavar="S",
                    help="seconds allowed to each compiler call of --cpp-syntax (default 60)")
 
