@@ -80,7 +80,8 @@ def test_tier1_rounds_alternate_each_run_with_a_fresh_cache_and_its_tree(cold, t
 
     monkeypatch.setattr(cold, "run_logged", fake_run)
     out = tmp_path / "cold"
-    monkeypatch.setattr(sys, "argv", ["cold_start.py", "--out", str(out), "--rounds", "2", "--tree", f"b={old}",
+    monkeypatch.chdir(tmp_path)  # a relative --out still reaches the runs made in another tree's directory
+    monkeypatch.setattr(sys, "argv", ["cold_start.py", "--out", "cold", "--rounds", "2", "--tree", f"b={old}",
                                       "a=--compile.model_helper on", "b=", "--", "--preset", "small"])
     cold.main()
     prepare, *trains = calls

@@ -165,6 +165,7 @@ def main() -> None:
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     args.window = step_window(args.window, "--window")
+    args.out = args.out.resolve()  # a variant with its own tree runs in that tree's directory
     variants = with_trees([parse_variant(v) for v in args.variants], args.tree)
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit("variant names repeat: each NAME must be unique")
