@@ -100,3 +100,16 @@ def test_tier1_rounds_alternate_each_run_with_a_fresh_cache_and_its_tree(cold, t
     assert "| b | 2 of 2 | 80.0 | 70.0-90.0 | - | 1,000 |" in summary
     with pytest.raises(SystemExit, match="holds runs of an earlier call"):
         cold.main()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rounds", "0", "a="], "--rounds 0: must be >= 1"),
+    (["--timeout-s", "0", "a="], "--timeout-s 0.0: must be > 0 seconds"),
+    (["a=", "a=--x 1"], "variant names repeat"),
+])
+def test_tier1_bad_settings_end_in_one_line_before_any_run(cold, tmp_path, monkeypatch, argv, message):
+    monkeypatch.setattr(cold, "run_logged", lambda *a, **k: pytest.fail("nothing may run"))
+    monkeypatch.setattr(sys, "argv", ["cold_start.py", "--out", str(tmp_path / "cold"), *argv])
+    with pytest.raises(SystemExit, match=message):
+        cold.main()
+    assert not (tmp_path / "cold").exists()

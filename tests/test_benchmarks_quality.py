@@ -102,6 +102,7 @@ def test_tier1_context_study_refuses_bad_variants_before_training(bench, monkeyp
         "expected PRESET:SEQ_LEN": ["small:2048", "small"],
         "not a multiple of small_3000's length": ["small:2048", "small:3000"],
         "no documented rope_theta": ["--tokens-per-step", "131072", "small:2048", "small:131072"],
+        "--window -1: must be >= 0 tokens": ["--window", "-1", "small:2048"],
     }
     for expected, variants in cases.items():
         monkeypatch.setattr(sys, "argv", ["context_study.py", "--out", str(out), *variants, "--", "--data.corpus", "x"])

@@ -23,12 +23,11 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from run_dirs import step_window
+from run_dirs import run_logged, step_window
 
 from megacpp.train.metrics import read_metrics
 
@@ -87,16 +86,6 @@ def read_run(variant: str, round_: int, exit_code: str, run_dir: Path, log: Path
                    float(found.group(1)) if found else None, statistics.median(rates) if rates else None)
 
 
-def run_logged(cmd: list[str], log: Path, cwd: Path | None, env: dict[str, str], timeout_s: float) -> str:
-    """Run ``cmd`` with its output in ``log``: its exit code, or "timeout"."""
-    with log.open("w") as f:
-        try:
-            return str(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                      timeout=timeout_s).returncode)
-        except subprocess.TimeoutExpired:
-            return "timeout"
-
-
 def tree_env(tree: Path | None, cache: Path) -> dict[str, str]:
     """The environment of a run: its own compile cache, and its tree first on the import path."""
     env = {**os.environ, "MEGACPP_CACHE_DIR": str(cache)}
@@ -111,7 +100,7 @@ def cold_run(v: Variant, round_: int, args: argparse.Namespace, extra: list[str]
     cache.mkdir(parents=True)  # fresh: main() refuses an --out that already holds runs
     cmd = [sys.executable, "-m", "megacpp.cli", "train", "--no-progress", *extra, *v.args,
            "--data.cache_dir", str(data), "--train.out_dir", str(run_dir)]
-    code = run_logged(cmd, log, v.tree, tree_env(v.tree, cache), args.timeout_s)
+    code = run_logged(cmd, log, timeout_s=args.timeout_s, cwd=v.tree, env=tree_env(v.tree, cache))
     return read_run(v.name, round_, code, run_dir, log, args.window)
 
 
@@ -164,6 +153,8 @@ def main() -> None:
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
+    if not args.timeout_s > 0:
+        raise SystemExit(f"--timeout-s {args.timeout_s}: must be > 0 seconds")
     args.window = step_window(args.window, "--window")
     args.out = args.out.resolve()  # a variant with its own tree runs in that tree's directory
     variants = with_trees([parse_variant(v) for v in args.variants], args.tree)
@@ -174,7 +165,7 @@ def main() -> None:
     data = args.out / "data"
     prepare = [sys.executable, "-m", "megacpp.cli", "data", "prepare", *extra, "--data.cache_dir", str(data)]
     args.out.mkdir(parents=True, exist_ok=True)
-    code = run_logged(prepare, args.out / "prepare.log", None, dict(os.environ), args.timeout_s)
+    code = run_logged(prepare, args.out / "prepare.log", timeout_s=args.timeout_s, cwd=None, env=None)
     if code != "0":
         raise SystemExit(f"megacpp data prepare exited {code}: see {args.out / 'prepare.log'}")
     runs = []

@@ -23,13 +23,13 @@ import json
 import os
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import run_dirs
 from compare_quality import load_run_dir, report
 from run_dirs import run_metrics
 
@@ -74,12 +74,7 @@ def train_args(v: Variant, args: argparse.Namespace, extra: list[str]) -> list[s
 
 def run_logged(cmd: list[str], log: Path, gpu: str, timeout_s: float) -> str:
     """Run ``cmd`` on GPU ``gpu`` with its output in ``log``: its exit code, or "timeout"."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-    with log.open("w") as f:
-        try:
-            return str(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode)
-        except subprocess.TimeoutExpired:
-            return "timeout"
+    return run_dirs.run_logged(cmd, log, timeout_s, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
 
 
 def run_variant(v: Variant, gpu: str, args: argparse.Namespace, extra: list[str]) -> None:
@@ -170,6 +165,8 @@ def main() -> None:
                    help="also the position curve with each document read in windows of this many tokens (0: off)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="each training or evaluation command's limit")
     args = p.parse_args(argv)
+    if args.window < 0:
+        raise SystemExit(f"--window {args.window}: must be >= 0 tokens (0: off)")
     variants = [parse_variant(v) for v in args.variants]
     for v in variants:  # every variant's arguments are checked before any run starts
         train_args(v, args, extra)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import run_dirs
 from compare_quality import load_run_dir, report
 from loss_spread import spread, spread_table
 from run_dirs import step_window
@@ -59,14 +59,10 @@ def run_logged(label: str, cmd: list[str], log: Path, timeout_s: float | None) -
     """Run one training command with its output in ``log``; print its exit and last line."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with log.open("w") as f:
-        try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    code = run_dirs.run_logged(cmd, log, timeout_s)
     tail = log.read_text().strip().splitlines()[-1:] or [""]
     print(f"{label}: exit {code} in {time.perf_counter() - start:.0f} s; {tail[0][:160]}", flush=True)
-    return code == 0
+    return code == "0"
 
 
 def parse_variants(variants: list[str]) -> list[tuple[str, list[str]]]:

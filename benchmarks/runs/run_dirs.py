@@ -1,7 +1,8 @@
-"""Shared by compare_quality.py, loss_spread.py and quality_study.py: a run named on the command line
-(`dir` or `label=dir`) and its metrics, with one-line errors instead of tracebacks."""
+"""Shared by the scripts of benchmarks/runs: a run named on the command line (`dir` or `label=dir`) and its
+metrics, with one-line errors instead of tracebacks; a command run with its output in a log."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,14 @@ def step_window(text: str, option: str) -> tuple[int, int]:
         return int(first), int(last)
     except ValueError:
         raise SystemExit(f"{option} {text!r}: expected FIRST:LAST step numbers, e.g. 100:300") from None
+
+
+def run_logged(cmd: list[str], log: Path, timeout_s: float | None, cwd: Path | None = None,
+               env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` with its output in ``log``: its exit code as text, or "timeout"."""
+    with log.open("w") as f:
+        try:
+            return str(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                      timeout=timeout_s).returncode)
+        except subprocess.TimeoutExpired:
+            return "timeout"
