@@ -1,0 +1,53 @@
+"""benchmarks/tools/device_kernels.py: a profiled step's device time by kernel family and name, and its idle gaps."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import device_kernels
+    return device_kernels
+
+
+def _x(cat: str, name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+# Two steps: a GEMM overlapping an NCCL kernel, one of megacpp's kernels, an Inductor kernel, a copy; a host op
+# (not device time). Gaps: 5 µs (after the GEMM and the NCCL kernel end at 1100), 50 µs, 2000 µs.
+EVENTS = [
+    _x("kernel", "sm90_xmma_gemm_bf16", 0, 1000), _x("kernel", "ncclDevKernel_AllReduce", 500, 600),
+    _x("kernel", "_fwd_scan_kernel", 1105, 95), _x("kernel", "triton_poi_fused_add_0", 1250, 50),
+    _x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 3300, 100), _x("cpu_op", "aten::mm", 0, 4000),
+]
+
+
+def test_tier1_families_names_and_gaps_of_a_synthetic_trace(tool):
+    table = tool.kernel_table(tool.device_events(EVENTS), steps=2)
+    assert table["families"] == [("matmul", 0.5), ("collectives", 0.3), ("copies and fills", 0.05),
+                                 ("megacpp triton", 0.0475), ("inductor triton", 0.025)]
+    assert table["kernels"][0] == ("sm90_xmma_gemm_bf16", 0.5, 0.5)
+    assert [(b["count"], b["ms"]) for b in table["gaps"]] == [(0.5, 0.0025), (0.5, 0.025), (0.0, 0.0), (0.5, 1.0)]
+
+
+def test_tier1_family_falls_back_to_other(tool):
+    assert tool.family("void at::native::vectorized_elementwise_kernel<4>") == "other"
+    assert tool.family("flash_fwd_kernel") == "attention"
+
+
+def test_tier1_the_command_line_prints_the_tables_and_refuses_zero_steps(tool, tmp_path, capsys):
+    trace = tmp_path / "rank0.trace.json"
+    trace.write_text(json.dumps({"traceEvents": EVENTS}))
+    assert tool.main([str(trace), "--steps", "2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "device busy 0.92 ms per step" in out and "over 1000 µs: 0.5 gaps, 1.00 ms" in out
+    assert "_fwd_scan_kernel" not in out  # third by time: beyond --top 2
+    with pytest.raises(SystemExit):
+        tool.main([str(trace), "--steps", "0"])
