@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.errors import MegacppError
+from megacpp.ops import kernel_prewarm
 from megacpp.ops.mamba3_limits import ScanKernel, triton_size_reason
 from megacpp.ops.mamba3_scan import State, _augmented_initial_state, _coefficients, _heads, mamba3_scan
 from megacpp.ops.triton_choice import TRITON_FLOATS, asks_for_triton, triton_runs_on
@@ -165,9 +166,15 @@ def _fused_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gated output (b, t, h, p) in x's dtype; final state (b, h, p, n), fp32; every chunk's entering state
     (b, h, chunks, p, n) in matmul_dtype (the products round it to that); the output before the gate in
-    x's dtype (for dL/dz). log_decay is -inf where a document starts; initial is the augmented state."""
-    return _kernels().fused_fwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, initial,
-                                chunk_size, matmul_dtype)
+    x's dtype (for dL/dz). log_decay is -inf where a document starts; initial is the augmented state.
+    The first call of each layout also starts compiling the backward's kernels (`ops.kernel_prewarm`)."""
+    kernels = _kernels()
+    out = kernels.fused_fwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, initial, chunk_size,
+                            matmul_dtype)
+    inputs = (x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D)
+    kernel_prewarm.warm_in_background(("mamba3_fused_bwd", chunk_size, matmul_dtype), inputs, x.device,
+                                      lambda: kernels.backward_launches(*inputs, chunk_size, matmul_dtype))
+    return out
 
 
 @_fused_fwd.register_fake

@@ -74,6 +74,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.ops import kernel_prewarm
+
 _MM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(a) = exp2(a * log2(e))
 
@@ -781,6 +783,28 @@ def fused_fwd(
         x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y, y_pre, t, h, h // g, nc, *rows,
     ), _meta(tiling["fwd_scan"], p, n, na, chunk_size, matmul_dtype, x.device)))
     return y, final, states, y_pre
+
+
+def backward_launches(
+    x: Tensor, z: Tensor, B: Tensor, C: Tensor, B_bias: Tensor, C_bias: Tensor, theta: Tensor,
+    log_decay: Tensor, sigma: Tensor, gamma: Tensor, D: Tensor, chunk_size: int, matmul_dtype: torch.dtype,
+) -> list[Launch]:
+    """The launches `fused_bwd` makes after a `fused_fwd` on these inputs, described on meta tensors with
+    the inputs' layouts (what `ops.kernel_prewarm` compiles ahead): the backward reads the forward's inputs
+    as they were, its other inputs contiguous. Both variants of the state kernel are described, with and
+    without a gradient of the final state (whether one arrives is the caller's graph's business)."""
+    b, t, h, p, g, n, na, nc = _sizes(x, B, theta, chunk_size)
+    inputs = [kernel_prewarm.meta_like(v) for v in (x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D)]
+    meta = inputs[0]
+    states = meta.new_empty(b, h, nc, p, n, dtype=matmul_dtype)
+    y_pre, grad_y = meta.new_empty(b, t, h, p), meta.new_empty(b, t, h, p)
+    launches: list[Launch] = []
+    fused_bwd(*inputs, states, y_pre, grad_y, None, chunk_size, matmul_dtype, launch=launches.append)
+    with_final: list[Launch] = []
+    grad_final = meta.new_empty(b, h, p, n, dtype=torch.float32)
+    fused_bwd(*inputs, states, y_pre, grad_y, grad_final, chunk_size, matmul_dtype, launch=with_final.append)
+    launches += [launch for launch in with_final if launch.meta.get("HAS_FINAL")]
+    return launches
 
 
 def fused_bwd(
