@@ -2,6 +2,9 @@
 launch them, and compiled once per layout in worker threads."""
 from __future__ import annotations
 
+import importlib
+import pickle
+
 import pytest
 import torch
 
@@ -70,29 +73,56 @@ def test_tier1_meta_like_keeps_layout_and_alignment():
     assert meta.storage_offset() == view.storage_offset() and meta.data_ptr() % 16 == view.data_ptr() % 16
 
 
-class _Launch:
-    def __init__(self, name):
-        self.kernel, self.grid, self.args, self.meta = name, (1,), (), {}
+class _Helper:
+    def wait(self, timeout_s):
+        return 0
 
 
-def test_tier1_one_submission_per_layout(monkeypatch):
-    warmed, described = [], []
+def test_tier1_one_helper_per_layout_and_at_most_max_keys(monkeypatch, tmp_path):
+    started, described = [], []
     monkeypatch.setattr(kernel_prewarm, "enabled", lambda device: True)
-    monkeypatch.setattr(kernel_prewarm, "_warm", lambda launch, device: warmed.append(launch.kernel))
+    monkeypatch.setattr(kernel_prewarm, "_shared_triton_cache_dir", lambda index: str(tmp_path))
+    monkeypatch.setattr(kernel_prewarm, "_start", lambda spec, where: started.append((spec, where)) or _Helper())
     monkeypatch.setattr(kernel_prewarm, "_submitted", {})
 
     def describe():
         described.append(1)
-        return [_Launch("a"), _Launch("b")]
+        return []
 
     x = torch.zeros(4, 6)
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 1)
     first = kernel_prewarm.warm_in_background("op", [x], device, describe)
-    again = kernel_prewarm.warm_in_background("op", [torch.ones(4, 6)], device, describe)  # same layout
+    again = kernel_prewarm.warm_in_background("op", [torch.ones(4, 6)], device, describe)  # the same layout
     other = kernel_prewarm.warm_in_background("op", [x.t()], device, describe)  # strides differ
-    kernel_prewarm.wait_all()
-    assert (len(first), len(again), len(other)) == (2, 0, 2) and len(described) == 2
-    assert sorted(warmed) == ["a", "a", "b", "b"]
+    assert first is not None and again is None and other is not None and len(described) == 2
+    assert started[0] == ({"device": 1, "launches": []}, str(tmp_path))
+    for size in range(kernel_prewarm.MAX_KEYS):  # new layouts, until the cap
+        kernel_prewarm.warm_in_background("op", [torch.zeros(size + 1)], device, describe)
+    assert len(started) == kernel_prewarm.MAX_KEYS and kernel_prewarm.wait_all() == [0] * kernel_prewarm.MAX_KEYS
+
+
+def test_tier1_a_described_launch_comes_back_as_the_same_specialization():
+    """What the helper rebuilds from the plain-data description: the same JIT function, grid and options, and
+    arguments that specialize alike (layouts, dtypes, 16-byte alignment, integers)."""
+    b, t, h, p, g, n, na, chunk = 2, 50, 4, 32, 1, 32, 8, 16
+    inputs = _mixer_layout(b, t, h, p, g, n, na, torch.bfloat16, 5)
+    for launch in mamba3_triton.backward_launches(*inputs, chunk, torch.bfloat16):
+        plain = pickle.loads(pickle.dumps(kernel_prewarm.describe_launch(launch)))
+        kernel = getattr(importlib.import_module(plain["module"]), plain["name"])
+        rebuilt = [kernel_prewarm._meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a
+                   for a in plain["args"]]
+        assert kernel is launch.kernel and plain["grid"] == launch.grid and plain["meta"] == launch.meta
+        assert [_spec(a) for a in rebuilt] == [_spec(a) for a in launch.args]
+        assert [a.stride() for a in rebuilt if isinstance(a, torch.Tensor)] == [
+            a.stride() for a in launch.args if isinstance(a, torch.Tensor)]
+
+
+def test_tier1_the_helper_leaves_a_log_when_it_fails_and_never_its_spec(tmp_path):
+    spec = tmp_path / "job.pkl"
+    spec.write_bytes(pickle.dumps({"device": 0, "launches": [{"module": "megacpp.no_such_module", "name": "k",
+                                                              "grid": (1,), "args": [], "meta": {}}]}))
+    assert kernel_prewarm.main([str(spec)]) == 1
+    assert not spec.exists() and "megacpp.no_such_module" in (tmp_path / "job.log").read_text()
 
 
 def test_tier1_off_on_cpu_and_by_the_environment(monkeypatch):
@@ -100,4 +130,4 @@ def test_tier1_off_on_cpu_and_by_the_environment(monkeypatch):
     assert kernel_prewarm.enabled(torch.device("cuda", 0))
     monkeypatch.setenv(kernel_prewarm.ENV_SWITCH, "0")
     assert not kernel_prewarm.enabled(torch.device("cuda", 0))
-    assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], torch.device("cuda", 0), lambda: 1 / 0) == []
+    assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], torch.device("cuda", 0), lambda: 1 / 0) is None

@@ -1,37 +1,43 @@
-"""Compile an op's backward Triton kernels in the background while the forward goes on.
+"""Compile an op's backward Triton kernels in a helper process while the forward goes on.
 
 A Triton kernel compiles at its first launch, on the launching thread. megacpp's backward kernels are
 first launched in the first step's backward, one after the other, where nothing else can run: that phase
-took 14.5-14.8 s of `small`'s cold first step on an H100 against 0.5 s for `dense`, which has no kernels
-of its own (BENCHMARKS.md, U1). Their launches are known as soon as the forward has run, since the
+took 14.3-18.0 s of `small`'s cold first step on an H100 against 0.5 s for `dense`, which has no kernels
+of its own (BENCHMARKS.md, U1 and W1). Their launches are known as soon as the forward has run, since the
 backward reads the forward's inputs with their layouts and allocates the rest itself. So at an op's
-forward, the op describes its backward's launches on meta tensors (same shapes, strides, dtypes and
-16-byte alignment as the real ones), and each is compiled by `JITFunction.warmup` in a worker thread:
-the same specialization, hence the same entry in Triton's in-memory and on-disk caches as the real
-launch, which then only looks it up. Triton's compile spends most of its time outside the GIL (MLIR
-passes, LLVM, ptxas): on 2 cores, M's six kernels compiled in 6.6 s on six threads against 11.4 s in
-turn. A description that differs from the real launch (an unforeseen layout) costs only the worker's
-time: the real launch compiles as it would have.
+forward, the op describes its backward's launches (shapes, strides, dtypes and 16-byte alignment of the
+real tensors), and a helper process compiles each with `JITFunction.warmup` on meta tensors of that
+description: the same specialization, hence the same entry in Triton's on-disk cache (the directory the
+trainer's launches use), where the real launch then finds it. A process, not threads: compiled in the
+trainer's own threads the kernels halved the backward (7.5 against 14.3-18.0 s) but Triton's Python
+front end took the GIL from the trainer's compile, and the forward grew by 3 s (W1). A description that
+differs from the real launch (an unforeseen layout) costs only the helper's time: the real launch
+compiles as it would have.
 
 Set ``MEGACPP_KERNEL_PREWARM=0`` to compile every kernel at its first launch instead.
 """
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import threading
+import traceback
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
-# Workers compiling at once: M's backward has four kernels, and two variants of one of them.
-PREWARM_THREADS = 6
 ENV_SWITCH = "MEGACPP_KERNEL_PREWARM"
+MAX_KEYS = 4  # layouts prewarmed per process: training's, and a few more (an eval batch of another size)
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
-_submitted: dict[Hashable, list[Future]] = {}
+_submitted: dict[Hashable, subprocess.Popen | None] = {}
 
 
 def enabled(device: torch.device) -> bool:
@@ -49,46 +55,95 @@ def tensor_key(*tensors: torch.Tensor | None) -> tuple:
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with t's shape, strides, dtype and storage offset: its `data_ptr()` is the offset in
     bytes, so it is 16-byte aligned exactly where t is (CUDA allocations are)."""
-    span = t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    base = torch.empty(span, dtype=t.dtype, device="meta")
-    return base.as_strided(t.shape, t.stride(), t.storage_offset())
+    return _meta_tensor(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+
+
+def describe_launch(launch: Any) -> dict[str, Any]:
+    """A launch (`kernel`, `grid`, `args`, `meta`, as `mamba3_triton.Launch`) as plain data for the helper:
+    the kernel by module and name, each tensor argument by layout."""
+    fn = launch.kernel.fn
+    args = [("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype) if isinstance(a, torch.Tensor)
+            else a for a in launch.args]
+    return {"module": fn.__module__, "name": fn.__name__, "grid": tuple(launch.grid), "args": args,
+            "meta": dict(launch.meta)}
 
 
 def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: torch.device,
-                       describe: Callable[[], Sequence[Any]]) -> list[Future]:
-    """Compile the launches `describe()` returns (objects with `kernel`, `grid`, `args`, `meta`, as
-    `mamba3_triton.Launch`), each in a worker thread, once per `name` and layout of `tensors` (the inputs
-    the launches derive from); the futures, empty when prewarming is off or this key was submitted before.
-    `describe` runs on the calling thread (it builds meta tensors). A launch that fails to compile here
-    fails again, and is reported, where the op really launches it."""
+                       describe: Callable[[], Sequence[Any]]) -> subprocess.Popen | None:
+    """Compile the launches `describe()` returns in a helper process, once per `name` and layout of
+    `tensors` (the inputs the launches derive from), at most MAX_KEYS times per process; the helper, or None
+    when prewarming is off or this key was seen before. `describe` runs here (it builds meta tensors)."""
     if not enabled(device):
-        return []
+        return None
     key = (name, tensor_key(*tensors))
     with _lock:
-        if key in _submitted:
-            return []
-        _submitted[key] = []
-    futures = [_pool().submit(_warm, launch, device) for launch in describe()]
-    _submitted[key] = futures
-    return futures
+        if key in _submitted or len(_submitted) >= MAX_KEYS:
+            return None
+        _submitted[key] = None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    spec = {"device": index, "launches": [describe_launch(launch) for launch in describe()]}
+    helper = _start(spec, _shared_triton_cache_dir(index))
+    _submitted[key] = helper
+    return helper
 
 
-def wait_all() -> None:
-    """Wait for every submitted compile (raising the first failure)."""
-    for futures in list(_submitted.values()):
-        for future in futures:
-            future.result()
+def wait_all(timeout_s: float = 600.0) -> list[int]:
+    """Wait for every helper started; their exit codes."""
+    return [helper.wait(timeout_s) for helper in list(_submitted.values()) if helper is not None]
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(PREWARM_THREADS, thread_name_prefix="megacpp-kernel-prewarm")
-        return _executor
+def _shared_triton_cache_dir(index: int) -> str:
+    """The Triton cache directory of this process's launches, set now where it is not yet: Inductor sets
+    TRITON_CACHE_DIR, when unset, to this same directory under its cache when it loads its first kernel; a
+    run that never compiles (eager on CUDA) would otherwise look in Triton's default directory."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
+    return os.environ["TRITON_CACHE_DIR"]
 
 
-def _warm(launch: Any, device: torch.device) -> None:
-    # Triton compiles for, and caches under, the thread's current device, which starts at 0 in a new thread.
-    torch.cuda.set_device(device)
-    launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.meta)
+def _start(spec: dict[str, Any], cache_dir: str) -> subprocess.Popen:
+    handle, path = tempfile.mkstemp(prefix="megacpp-kernel-prewarm-", suffix=".pkl")
+    with os.fdopen(handle, "wb") as f:
+        pickle.dump(spec, f)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir,
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-m", __name__, path], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+def _meta_tensor(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype) -> torch.Tensor:
+    span = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+    return torch.empty(span, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _warm(launch: dict[str, Any], device: int) -> None:
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+    torch.cuda.set_device(device)  # Triton compiles for the thread's current device
+    args = [_meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch["args"]]
+    kernel.warmup(*args, grid=launch["grid"], **launch["meta"])
+
+
+def main(argv: list[str]) -> int:
+    """The helper: compile every launch of the spec file, each in a thread of its own (Triton's compile
+    spends most of its time outside the GIL: M's six kernels took 6.6 s on six threads of a 2-core CPU
+    against 11.4 s in turn), and delete the spec. A failure is left beside it as `<spec>.log` (the real
+    launch then compiles the kernel, and reports the error if it is one)."""
+    path = Path(argv[0])
+    try:
+        spec = pickle.loads(path.read_bytes())
+        with ThreadPoolExecutor(max(1, len(spec["launches"]))) as pool:
+            for future in [pool.submit(_warm, launch, spec["device"]) for launch in spec["launches"]]:
+                future.result()
+    except Exception:
+        path.with_suffix(".log").write_text(traceback.format_exc())
+        return 1
+    finally:
+        path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
