@@ -31,4 +31,5 @@ def test_tier2_the_backward_compiles_nothing_after_the_prewarm(offset, tmp_path,
     assert len(warmed - forward) >= 5  # the gate, chunk and dB/dC kernels, the state kernel twice
     mamba3_fused._fused_bwd(*inputs, states, y_pre, torch.randn_like(y), None, 32, torch.bfloat16)
     torch.cuda.synchronize()
-    assert _entries(tmp_path) == warmed
+    new = {name: sorted(p.name for p in (tmp_path / name).iterdir()) for name in _entries(tmp_path) - warmed}
+    assert not new, new  # what the backward still compiled: kernels (a .cubin) or launchers

@@ -123,7 +123,13 @@ def _warm(launch: dict[str, Any], device: int) -> None:
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     torch.cuda.set_device(device)  # Triton compiles for the thread's current device
     args = [_meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch["args"]]
-    kernel.warmup(*args, grid=launch["grid"], **launch["meta"])
+    compiled = kernel.warmup(*args, grid=launch["grid"], **launch["meta"])
+    # Triton builds a kernel's launcher (a C module per signature in some versions, cached on disk beside the
+    # kernels) and loads it at the first launch: do that here too. `_init_handles` is Triton's own lazy
+    # step; where a version lacks it, the trainer's first launch does it, as without the prewarm.
+    init = getattr(compiled, "_init_handles", None)
+    if callable(init):
+        init()
 
 
 def main(argv: list[str]) -> int:
