@@ -119,12 +119,8 @@ def _meta_tensor(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, d
     return torch.empty(span, dtype=dtype, device="meta").as_strided(shape, stride, offset)
 
 
-def _kernel(launch: dict[str, Any]) -> Any:
-    return getattr(importlib.import_module(launch["module"]), launch["name"])
-
-
 def _warm(launch: dict[str, Any], device: int) -> None:
-    kernel = _kernel(launch)
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     torch.cuda.set_device(device)  # Triton compiles for the thread's current device
     args = [_meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch["args"]]
     compiled = kernel.warmup(*args, grid=launch["grid"], **launch["meta"])
@@ -144,12 +140,6 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0])
     try:
         spec = pickle.loads(path.read_bytes())
-        # Each kernel's source hash first, one at a time: Triton computes it lazily, walking the kernel's
-        # dependencies, with a placeholder hash set meanwhile. With the hashes computed in the threads, on an
-        # H100 (Triton 3.6) the dB/dC kernel, which shares the most dependencies, went to the cache under a
-        # key its real launch never asked for.
-        for launch in spec["launches"]:
-            _kernel(launch).cache_key  # noqa: B018 -- computed for its side effect
         with ThreadPoolExecutor(max(1, len(spec["launches"]))) as pool:
             for future in [pool.submit(_warm, launch, spec["device"]) for launch in spec["launches"]]:
                 future.result()
