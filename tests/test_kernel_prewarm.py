@@ -131,3 +131,10 @@ def test_tier1_off_on_cpu_and_by_the_environment(monkeypatch):
     monkeypatch.setenv(kernel_prewarm.ENV_SWITCH, "0")
     assert not kernel_prewarm.enabled(torch.device("cuda", 0))
     assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], torch.device("cuda", 0), lambda: 1 / 0) is None
+
+
+def test_tier1_a_description_that_fails_warns_and_never_fails_the_forward(monkeypatch):
+    monkeypatch.setattr(kernel_prewarm, "enabled", lambda device: True)
+    monkeypatch.setattr(kernel_prewarm, "_submitted", {})
+    with pytest.warns(RuntimeWarning, match="kernel prewarm of 'op' skipped.*ZeroDivisionError"):
+        assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], torch.device("cuda", 0), lambda: 1 / 0) is None

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,9 +81,14 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
         if key in _submitted or len(_submitted) >= MAX_KEYS:
             return None
         _submitted[key] = None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    spec = {"device": index, "launches": [describe_launch(launch) for launch in describe()]}
-    helper = _start(spec, _shared_triton_cache_dir(index))
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        spec = {"device": index, "launches": [describe_launch(launch) for launch in describe()]}
+        helper = _start(spec, _shared_triton_cache_dir(index))
+    except Exception as exc:  # the prewarm only moves compiles earlier: failing, it must not fail the forward
+        warnings.warn(f"kernel prewarm of {name!r} skipped, its kernels compile at their first launch: {exc!r}",
+                      RuntimeWarning, stacklevel=2)
+        return None
     _submitted[key] = helper
     return helper
 
