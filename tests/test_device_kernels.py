@@ -40,6 +40,8 @@ def test_tier1_families_names_and_gaps_of_a_synthetic_trace(tool):
 def test_tier1_family_falls_back_to_other(tool):
     assert tool.family("void at::native::vectorized_elementwise_kernel<4>") == "other"
     assert tool.family("flash_fwd_kernel") == "attention"
+    assert tool.family("_ZN2at6native29vectorized_elementwise_kernel") == "other"  # mangled C++, not megacpp's
+    assert tool.family("_bwd_bc_kernel") == "megacpp triton"
 
 
 def test_tier1_the_command_line_prints_the_tables_and_refuses_zero_steps(tool, tmp_path, capsys):
@@ -51,3 +53,6 @@ def test_tier1_the_command_line_prints_the_tables_and_refuses_zero_steps(tool, t
     assert "_fwd_scan_kernel" not in out  # third by time: beyond --top 2
     with pytest.raises(SystemExit):
         tool.main([str(trace), "--steps", "0"])
+    with pytest.raises(SystemExit):
+        tool.main([str(tmp_path / "missing.json")])
+    assert "no such trace file" in capsys.readouterr().err

@@ -19,14 +19,15 @@ from pathlib import Path
 
 from host_timeline import load_events
 
-from megacpp.train.profile import BUSY_CATEGORIES
+from megacpp.train.profile import BUSY_CATEGORIES, union_intervals
 
 # First match wins: name patterns of the kernels each family's libraries launch on Hopper.
 FAMILIES = (
     ("collectives", re.compile(r"^nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|matmul|grouped_mm", re.I)),
-    ("megacpp triton", re.compile(r"^_")),  # megacpp's own kernels are module-private (`_fwd_scan_kernel`)
+    # megacpp's own kernels are module-private (`_fwd_scan_kernel`); C++ names mangled as `_Z...` are not its
+    ("megacpp triton", re.compile(r"^_(?!Z)")),
     ("inductor triton", re.compile(r"^triton_")),
     ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
 )
@@ -42,8 +43,8 @@ def family(name: str) -> str:
 
 
 def device_events(events: list[dict]) -> list[dict]:
-    """The trace's device-side events (kernels, copies, fills), sorted by start."""
-    return sorted((e for e in events if e.get("cat") in BUSY_CATEGORIES), key=lambda e: float(e["ts"]))
+    """The trace's device-side events: kernels, copies, fills."""
+    return [e for e in events if e.get("cat") in BUSY_CATEGORIES]
 
 
 def kernel_table(device: list[dict], steps: int) -> dict:
@@ -56,13 +57,8 @@ def kernel_table(device: list[dict], steps: int) -> dict:
         by_family[family(e["name"])] += dur
         by_name[e["name"]][0] += dur
         by_name[e["name"]][1] += 1
-    gaps: list[float] = []
-    busy_until = None
-    for e in device:
-        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        if busy_until is not None and start > busy_until:
-            gaps.append(start - busy_until)
-        busy_until = end if busy_until is None else max(busy_until, end)
+    busy = union_intervals((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device)
+    gaps = [start - end for (_, end), (start, _) in itertools.pairwise(busy)]
     edges = (0.0, *GAP_BUCKETS_US, float("inf"))
     buckets = [{"from_us": lo, "to_us": hi, "count": sum(lo <= g < hi for g in gaps) / steps,
                 "ms": sum(g for g in gaps if lo <= g < hi) / 1000.0 / steps} for lo, hi in itertools.pairwise(edges)]
@@ -94,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if not args.trace.is_file():
+        parser.error(f"{args.trace}: no such trace file (a run with --train.profile_steps N writes "
+                     "<out_dir>/profile/rank<R>.trace.json)")
     print(render(kernel_table(device_events(load_events(args.trace)), args.steps), args.top))
     return 0
 

@@ -76,7 +76,8 @@ class StepSplit:
         return f" ({', '.join(f'{kind} {ms:.1f}' for kind, ms in kinds)})" if kinds else ""
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint ones (touching intervals merge)."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -120,8 +121,8 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
         (collectives if is_collective else compute).append(span)
         if is_collective:
             by_kind.setdefault(collective_kind(str(event["name"])), []).append(span)
-    compute_u, collectives_u = _union(compute), _union(collectives)
-    busy = _length(_union(compute_u + collectives_u))
+    compute_u, collectives_u = union_intervals(compute), union_intervals(collectives)
+    busy = _length(union_intervals(compute_u + collectives_u))
     collective_us = _length(collectives_u)
     exposed = collective_us - _overlap(compute_u, collectives_u)
     per_step = 1000.0 * (last - first + 1)  # us over the window -> ms per step
@@ -131,8 +132,8 @@ def split_trace(events: list[dict], rank: int, first: int, last: int, wall_us: f
 
     return StepSplit(rank, first, last, ms(wall_us), ms(_length(compute_u)), ms(exposed),
                      ms(max(wall_us - busy, 0.0)), ms(collective_us), kernels,
-                     {kind: ms(_length(_union(spans))) for kind, spans in by_kind.items()},
-                     ms(_length(_union(host_wait))))
+                     {kind: ms(_length(union_intervals(spans))) for kind, spans in by_kind.items()},
+                     ms(_length(union_intervals(host_wait))))
 
 
 def collective_kind(kernel: str) -> str:
