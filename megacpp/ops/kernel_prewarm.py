@@ -74,7 +74,7 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
     """Compile the launches `describe()` returns in a helper process, once per `name` and layout of
     `tensors` (the inputs the launches derive from), at most MAX_KEYS times per process; the helper, or None
     when prewarming is off or this key was seen before. `describe` runs here (it builds meta tensors)."""
-    if not enabled(device):
+    if not enabled(device) or len(_submitted) >= MAX_KEYS:  # the forward's hot path: nothing more to do
         return None
     key = (name, tensor_key(*tensors))
     with _lock:
