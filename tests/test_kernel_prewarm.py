@@ -84,6 +84,7 @@ def test_tier1_one_helper_per_layout_and_at_most_max_keys(monkeypatch, tmp_path)
     monkeypatch.setattr(kernel_prewarm, "_shared_triton_cache_dir", lambda index: str(tmp_path))
     monkeypatch.setattr(kernel_prewarm, "_start", lambda spec, where: started.append((spec, where)) or _Helper())
     monkeypatch.setattr(kernel_prewarm, "_submitted", {})
+    monkeypatch.setattr(kernel_prewarm, "_per_name", {})
 
     def describe():
         described.append(1)
@@ -99,6 +100,8 @@ def test_tier1_one_helper_per_layout_and_at_most_max_keys(monkeypatch, tmp_path)
     for size in range(kernel_prewarm.MAX_KEYS):  # new layouts, until the cap
         kernel_prewarm.warm_in_background("op", [torch.zeros(size + 1)], device, describe)
     assert len(started) == kernel_prewarm.MAX_KEYS and kernel_prewarm.wait_all() == [0] * kernel_prewarm.MAX_KEYS
+    # The cap is per op: another op's first layout still gets its helper.
+    assert kernel_prewarm.warm_in_background("other op", [x], device, describe) is not None
 
 
 def test_tier1_a_described_launch_comes_back_as_the_same_specialization():
@@ -136,5 +139,65 @@ def test_tier1_off_on_cpu_and_by_the_environment(monkeypatch):
 def test_tier1_a_description_that_fails_warns_and_never_fails_the_forward(monkeypatch):
     monkeypatch.setattr(kernel_prewarm, "enabled", lambda device: True)
     monkeypatch.setattr(kernel_prewarm, "_submitted", {})
+    monkeypatch.setattr(kernel_prewarm, "_per_name", {})
     with pytest.warns(RuntimeWarning, match="kernel prewarm of 'op' skipped.*ZeroDivisionError"):
         assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], torch.device("cuda", 0), lambda: 1 / 0) is None
+
+
+def _without_emulation(specs):
+    """The described launches are CUDA's (EMULATE off); the recorded CPU ones would run under the
+    interpreter (EMULATE on). Everything else must agree."""
+    return [(kernel, grid, args, {k: v for k, v in meta.items() if k != "EMULATE"})
+            for kernel, grid, args, meta in specs]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("half_dot,half_states", [(True, True), (False, False), (True, False)])
+def test_tier1_the_recurrence_backward_is_described_as_it_launches(fused, half_dot, half_states, monkeypatch):
+    """R's fast backward, fused or split: each launch (recorded, not run) for an empty and for a real gradient
+    of the last state has a described twin, and the description is the CUDA launch's (no emulation)."""
+    from megacpp.ops import m2rnn_triton_fast as fast
+
+    monkeypatch.setattr(fast, "TUNING", fast.FastTuning(fused_backward=fused))
+    b, t, h, dk, dv = 3, 19, 2, 32, 64
+    q, k = torch.randn(b, t, h, dk), torch.randn(b, t, h, dk)
+    v, f, W = torch.randn(b, t, h, dv), torch.rand(b, t, h), torch.randn(h, dv, dv)
+    states = torch.randn(t + 1, h, b, dk, dv).to(torch.float16 if half_states else torch.float32)
+    grad_y = torch.randn(t, h, b, dv)
+    real = []
+    for grad_last in (torch.empty(0), torch.randn(h, b, dk, dv)):
+        recorded = []
+        fast.scan_bwd_fast(q, k, v, f, W, states, grad_y, grad_last, half_dot, launch=recorded.append)
+        real += [s for s in _launch_specs(recorded) if s not in real]
+    launches = fast.backward_launches(q, k, v, f, W, half_dot, half_states)
+    assert all(launch.meta.get("EMULATE", False) is False for launch in launches)
+    assert _without_emulation(_launch_specs(launches)) == _without_emulation(real)
+    assert len(launches) == (2 if fused else 3)  # the grads kernel has no last-state variant
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_tier1_the_angles_backward_is_described_as_it_launches(documents):
+    """The angles' backward reads rate and dt through their strides (slices of the projection here) and
+    the document starts when there are any: the description keeps those layouts."""
+    from megacpp.ops import mamba3_angles
+
+    b, t, h, na = 2, 37, 3, 5
+    proj = torch.randn(b, t, 40)
+    rate, dt = proj[..., 3:3 + na], proj[..., 20:20 + h]
+    offsets = torch.zeros(b, t, dtype=torch.int64) if documents else None
+    recorded = []
+    mamba3_angles.document_angles_bwd_triton(rate, dt, offsets, torch.randn(b, t, h, na), launch=recorded.append)
+    described = mamba3_angles.backward_launches(rate, dt, offsets)
+    assert _launch_specs(described) == _launch_specs(recorded) and len(recorded) == 1
+
+
+def test_tier1_the_kernel_modules_fix_their_cache_keys_at_import():
+    """Every Triton JIT function that a prewarmed op's module defines has its cache key computed when the
+    module has imported (`kernel_prewarm.pin_cache_keys`), before any launch can change the order."""
+    from triton.runtime.jit import JITFunction
+
+    from megacpp.ops import m2rnn_triton, m2rnn_triton_fast, mamba3_angles
+
+    for module in (mamba3_triton, m2rnn_triton, m2rnn_triton_fast, mamba3_angles):
+        own = [v for v in vars(module).values() if isinstance(v, JITFunction) and v.__module__ == module.__name__]
+        assert own and all(v.hash is not None for v in own), module.__name__

@@ -44,7 +44,7 @@ from triton.compiler import ASTSource
 
 from megacpp.model.mamba3 import Mamba3
 from megacpp.ops import mamba3_triton
-from megacpp.ops.mamba3_triton import Launch
+from megacpp.ops.kernel_prewarm import Launch
 from megacpp.presets import PRESETS
 
 REGISTER_FILE = 65536  # 32-bit registers per SM (sm_70 to sm_120)

@@ -29,16 +29,34 @@ import traceback
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ENV_SWITCH = "MEGACPP_KERNEL_PREWARM"
-MAX_KEYS = 4  # layouts prewarmed per process: training's, and a few more (an eval batch of another size)
+MAX_KEYS = 4  # layouts prewarmed per op and process: training's, and a few more (an eval batch of another size)
 
 _lock = threading.Lock()
-_submitted: dict[Hashable, subprocess.Popen | None] = {}
+_submitted: dict[Hashable, subprocess.Popen | None] = {}  # by (op name, layout)
+_per_name: dict[Hashable, int] = {}  # layouts submitted per op name
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, `kernel[grid](*args, **meta)`; meta holds the constexprs and launch options. The ops
+    that prewarm build their launches as these, so that one code path both launches and describes them."""
+
+    kernel: Any  # a triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict[str, Any]
+
+
+def run_launch(launch: Launch) -> Any:
+    """Launch it; returns triton's compiled kernel."""
+    return launch.kernel[launch.grid](*launch.args, **launch.meta)
 
 
 def enabled(device: torch.device) -> bool:
@@ -60,7 +78,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def describe_launch(launch: Any) -> dict[str, Any]:
-    """A launch (`kernel`, `grid`, `args`, `meta`, as `mamba3_triton.Launch`) as plain data for the helper:
+    """A launch as plain data for the helper:
     the kernel by module and name, each tensor argument by layout."""
     fn = launch.kernel.fn
     args = [("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype) if isinstance(a, torch.Tensor)
@@ -72,15 +90,17 @@ def describe_launch(launch: Any) -> dict[str, Any]:
 def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: torch.device,
                        describe: Callable[[], Sequence[Any]]) -> subprocess.Popen | None:
     """Compile the launches `describe()` returns in a helper process, once per `name` and layout of
-    `tensors` (the inputs the launches derive from), at most MAX_KEYS times per process; the helper, or None
-    when prewarming is off or this key was seen before. `describe` runs here (it builds meta tensors)."""
-    if not enabled(device) or len(_submitted) >= MAX_KEYS:  # the forward's hot path: nothing more to do
+    `tensors` (the inputs the launches derive from), for at most MAX_KEYS layouts per name and process; the
+    helper, or None when prewarming is off or this key was seen before. `describe` runs here (it builds
+    meta tensors)."""
+    if not enabled(device) or _per_name.get(name, 0) >= MAX_KEYS:  # the forward's hot path: nothing more to do
         return None
     key = (name, tensor_key(*tensors))
     with _lock:
-        if key in _submitted or len(_submitted) >= MAX_KEYS:
+        if key in _submitted or _per_name.get(name, 0) >= MAX_KEYS:
             return None
         _submitted[key] = None
+        _per_name[name] = _per_name.get(name, 0) + 1
     try:
         index = device.index if device.index is not None else torch.cuda.current_device()
         spec = {"device": index, "launches": [describe_launch(launch) for launch in describe()]}
@@ -96,6 +116,21 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
 def wait_all(timeout_s: float = 600.0) -> list[int]:
     """Wait for every helper started; their exit codes."""
     return [helper.wait(timeout_s) for helper in list(_submitted.values()) if helper is not None]
+
+
+def pin_cache_keys(namespace: dict[str, Any]) -> None:
+    """Compute the Triton cache key of each JIT function a module defines, in definition order; called at the
+    end of the module. Triton 3.6 keys a function by its source, its callees' keys and the constexpr globals
+    it reaches, and which of those globals it counts depends on the order in which a process first computes
+    the keys (on an H100, `_bwd_states_kernel`'s key differed between a process that computed it at import
+    and one that computed it after the forward's kernels had compiled: BENCHMARKS.md, W4). The trainer and
+    a helper reach their kernels in different orders, so a helper's kernels missed the trainer's cache;
+    computed here, at import, in one order, each kernel's key is the same in every process."""
+    from triton.runtime.jit import JITFunction
+
+    for value in list(namespace.values()):
+        if isinstance(value, JITFunction) and value.__module__ == namespace["__name__"]:
+            value.cache_key  # noqa: B018 -- a property that computes and keeps the key
 
 
 def _shared_triton_cache_dir(index: int) -> str:

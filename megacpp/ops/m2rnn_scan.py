@@ -237,12 +237,20 @@ def _fast_backward(ctx, grad_y: Tensor | None, grad_last: Tensor | None, _grad_s
 
 _scan_fast_fwd.register_autograd(_fast_backward, setup_context=_fast_setup_context)
 
+def _scan_fwd_fast_and_warm(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, half_dot: bool,
+                            half_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The fast forward; its first call of each layout also starts compiling the backward's kernels."""
+    out = m2rnn_triton_fast.scan_fwd_fast(q, k, v, f, W, h0, half_dot, half_states)
+    m2rnn_triton_fast.warm_backward(q, k, v, f, W, half_dot, half_states)
+    return out
+
+
 if m2rnn_triton is not None:
     # The references serve the CUDA inputs the kernels do not support (see m2rnn_triton.unsupported_reason).
     _scan_fwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_fwd_triton, _scan_fwd_reference))
     _scan_bwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_bwd_triton, _scan_bwd_reference))
     _scan_fast_fwd.register_kernel("cuda")(
-        m2rnn_triton_fast.with_fallback(m2rnn_triton_fast.scan_fwd_fast, _scan_fast_fwd_reference))
+        m2rnn_triton_fast.with_fallback(_scan_fwd_fast_and_warm, _scan_fast_fwd_reference))
     _scan_fast_bwd.register_kernel("cuda")(
         m2rnn_triton_fast.with_fallback(m2rnn_triton_fast.scan_bwd_fast, _scan_fast_bwd_reference))
 

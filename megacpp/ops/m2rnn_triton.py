@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.ops import kernel_prewarm
+
 # Rows of the state per program: tl.dot needs at least 16, and the smallest block gives the most
 # programs (b * H * dk / 16) and the shortest per-step chain, which is what bounds a sequential scan.
 BLOCK_K = 16
@@ -261,3 +263,7 @@ def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
         return fast(*args) if supported else reference(*args)
 
     return impl
+
+
+# Fixes each kernel's Triton cache key at import, the same in the trainer and in its compile helpers.
+kernel_prewarm.pin_cache_keys(globals())

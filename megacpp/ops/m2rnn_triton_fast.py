@@ -27,13 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.ops import kernel_prewarm
 from megacpp.ops import m2rnn_triton as exact
+from megacpp.ops.kernel_prewarm import Launch, run_launch
 
 
 @dataclass
@@ -221,8 +224,9 @@ def _approx_tanh(device: torch.device) -> bool:
 
 
 def _emulate(device: torch.device) -> bool:
-    """CPU tensors reach the kernels only under Triton's interpreter (see `_mma`)."""
-    return device.type != "cuda"
+    """CPU tensors reach the kernels only under Triton's interpreter (see `_mma`); meta tensors only describe
+    CUDA launches (`backward_launches`)."""
+    return device.type not in ("cuda", "meta")
 
 
 def _block(dk: int) -> int:
@@ -253,9 +257,11 @@ def scan_fwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Ten
 
 
 def scan_bwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor, grad_y: Tensor,
-                  grad_last: Tensor, half_dot: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  grad_last: Tensor, half_dot: bool, launch: Callable[[Launch], Any] = run_launch,
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Same contract as the reference `megacpp::m2rnn_scan_fast_bwd`: grads of q, k, v, f, W and h0, fp32,
-    contiguous, in the inputs' layouts. An empty grad_last means no gradient reached the last state."""
+    contiguous, in the inputs' layouts. An empty grad_last means no gradient reached the last state.
+    `launch` runs each kernel launch (`backward_launches` passes one that records them)."""
     q, k, v, f, W, states, grad_y, grad_last = (
         x.contiguous() for x in (q, k, v, f, W, states, grad_y, grad_last))
     b, t, n_heads, dk, dv = _check(q, v, (q, k, v, f, W, grad_y, grad_last))
@@ -265,19 +271,21 @@ def scan_bwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states:
     has_gl = grad_last.numel() > 0
     # bf16 operands in the backward: dL/dp's range is not bounded like the states'.
     operand = tl.bfloat16 if half_dot else tl.float32
-    launch = {"DK": dk, "DV": dv, "BLOCK": block, "OPERAND": operand, "HAS_GL": has_gl, "STAGES": TUNING.stages,
-              "EMULATE": _emulate(q.device), "num_warps": _warps(TUNING.bwd_warps, dv)}
+    meta = {"DK": dk, "DV": dv, "BLOCK": block, "OPERAND": operand, "HAS_GL": has_gl, "STAGES": TUNING.stages,
+            "EMULATE": _emulate(q.device), "num_warps": _warps(TUNING.bwd_warps, dv)}
     if TUNING.fused_backward and dv <= FUSED_MAX_DV:
         grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
         grad_v_part = v.new_empty(grid[2], *v.shape)
         grad_f_part = f.new_empty(grid[2], *f.shape)
         grad_w_part = q.new_empty(*grid, dv, dv)
-        _fused_bwd_kernel[grid](q, k, v, f, W, states, grad_y, grad_last, grad_q, grad_k, grad_v_part, grad_f_part,
-                                grad_w_part, grad_h0, t, n_heads, b, **launch)
+        launch(Launch(_fused_bwd_kernel, grid, (
+            q, k, v, f, W, states, grad_y, grad_last, grad_q, grad_k, grad_v_part, grad_f_part, grad_w_part, grad_h0,
+            t, n_heads, b), meta))
         return grad_q, grad_k, grad_v_part.sum(0), grad_f_part.sum(0), grad_w_part.sum((0, 2)), grad_h0
     # The split backward: dL/dp as the chain's product takes it (bf16 operands: half the buffer's bytes).
     grad_pre = q.new_empty(t, n_heads, b, dk, dv, dtype=torch.bfloat16 if half_dot else torch.float32)
-    _fast_chain_kernel[grid](q, f, W, states, grad_y, grad_last, grad_pre, grad_h0, t, n_heads, b, **launch)
+    launch(Launch(_fast_chain_kernel, grid, (q, f, W, states, grad_y, grad_last, grad_pre, grad_h0, t, n_heads, b),
+                  meta))
     grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
     rows = min(dk, exact.GRADS_ROWS)
     row_blocks = dk // rows
@@ -287,11 +295,35 @@ def scan_bwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states:
     grad_w_part = q.new_empty(*grads_grid, dv, dv)
     # 16-bit states and dL/dp are exact in TF32: one pass adds no operand rounding. On the CPU interpreter
     # "tf32" is an fp32 product, which is the same here.
-    exact._bwd_grads_kernel[grads_grid](k, v, f, W, states[0], states[1:], grad_y, grad_pre, grad_q, grad_k,
-                                        grad_v_part, grad_f_part, grad_w_part, t, n_heads, b, DK=dk, DV=dv,
-                                        ROWS=rows, STEPS=exact.GRADS_STEPS, PRECISION="tf32",
-                                        **exact._grads_tiling(rows, dv))
+    launch(Launch(exact._bwd_grads_kernel, grads_grid, (
+        k, v, f, W, states[0], states[1:], grad_y, grad_pre, grad_q, grad_k, grad_v_part, grad_f_part, grad_w_part,
+        t, n_heads, b), dict(DK=dk, DV=dv, ROWS=rows, STEPS=exact.GRADS_STEPS, PRECISION="tf32",
+                             **exact._grads_tiling(rows, dv))))
     return grad_q, grad_k, grad_v_part.sum(0), grad_f_part.sum(0), grad_w_part.sum((0, 2)), grad_h0
+
+
+def backward_launches(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, half_dot: bool, half_states: bool,
+                      ) -> list[Launch]:
+    """The launches `scan_bwd_fast` makes after a `scan_fwd_fast` on these inputs, described on meta tensors
+    (what `ops.kernel_prewarm` compiles ahead): the backward's inputs are contiguous and follow from the
+    forward's sizes and dtypes. Both variants are described, with and without a gradient of the last state
+    (whether one arrives is the caller's graph's business)."""
+    b, t, n_heads, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, f, W = (torch.empty(x.shape, dtype=x.dtype, device="meta") for x in (q, k, v, f, W))
+    states = q.new_empty(t + 1, n_heads, b, dk, dv, dtype=torch.float16 if half_states else q.dtype)
+    grad_y = q.new_empty(t, n_heads, b, dv)
+    launches: list[Launch] = []
+    scan_bwd_fast(q, k, v, f, W, states, grad_y, q.new_empty(0), half_dot, launch=launches.append)
+    with_last: list[Launch] = []
+    scan_bwd_fast(q, k, v, f, W, states, grad_y, q.new_empty(n_heads, b, dk, dv), half_dot, launch=with_last.append)
+    return launches + [launch for launch in with_last if launch.meta.get("HAS_GL")]
+
+
+def warm_backward(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, half_dot: bool, half_states: bool) -> None:
+    """At a forward: have a helper compile this layout's backward kernels (`ops.kernel_prewarm`)."""
+    kernel_prewarm.warm_in_background(("m2rnn_scan_fast_bwd", half_dot, half_states), (q, k, v, f, W), q.device,
+                                      lambda: backward_launches(q, k, v, f, W, half_dot, half_states))
 
 
 def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
@@ -303,3 +335,7 @@ def with_fallback(fast: Callable[..., tuple[Tensor, ...]],
         return (fast if supported else reference)(q, k, v, f, W, *rest)
 
     return impl
+
+
+# Fixes each kernel's Triton cache key at import, the same in the trainer and in its compile helpers.
+kernel_prewarm.pin_cache_keys(globals())

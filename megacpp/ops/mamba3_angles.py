@@ -44,8 +44,14 @@ kernels compile a variant without the restart flags for it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from megacpp.ops import kernel_prewarm
+from megacpp.ops.kernel_prewarm import Launch, run_launch
 
 try:
     import triton
@@ -298,11 +304,12 @@ def document_angles_triton(
 
 
 def document_angles_bwd_triton(
-    rate: Tensor, dt: Tensor, start_offsets: Tensor | None, grad: Tensor, block_t: int | None = None
+    rate: Tensor, dt: Tensor, start_offsets: Tensor | None, grad: Tensor, block_t: int | None = None,
+    launch: Callable[[Launch], Any] = run_launch,
 ) -> tuple[Tensor, Tensor]:
     """The Triton backward: same contract as `document_angles_bwd_reference` for float32 inputs. Each head's
     share of dL/drate goes to an (h, b, t, A) buffer, then a sum over its leading dim adds the shares in
-    a fixed order (no atomics)."""
+    a fixed order (no atomics). `launch` runs the kernel launch (`backward_launches` records it)."""
     _check(rate, dt, start_offsets, grad)
     b, t, n_angles = rate.shape
     n_heads = dt.shape[2]
@@ -310,10 +317,23 @@ def document_angles_bwd_triton(
     d_dt = dt.new_empty(b, t, n_heads)
     d_rate_part = rate.new_empty(n_heads, b, t, n_angles)
     so, s_sb, s_st = _offsets_args(start_offsets, rate)
-    _bwd_kernel[(b * n_heads,)](rate, dt, so, grad, d_dt, d_rate_part, t, n_heads, n_angles, b, *rate.stride(),
-                                *dt.stride(), s_sb, s_st, *grad.stride(), BT=bt, AP=triton.next_power_of_2(n_angles),
-                                HAS_DOCS=start_offsets is not None, num_warps=BWD_WARPS)
+    launch(Launch(_bwd_kernel, (b * n_heads,), (
+        rate, dt, so, grad, d_dt, d_rate_part, t, n_heads, n_angles, b, *rate.stride(), *dt.stride(), s_sb, s_st,
+        *grad.stride()), dict(BT=bt, AP=triton.next_power_of_2(n_angles), HAS_DOCS=start_offsets is not None,
+                              num_warps=BWD_WARPS)))
     return d_rate_part.sum(0), d_dt
+
+
+def backward_launches(rate: Tensor, dt: Tensor, start_offsets: Tensor | None) -> list[Launch]:
+    """The launch `document_angles_bwd_triton` makes after a forward on these inputs, described on meta
+    tensors with their layouts (what `ops.kernel_prewarm` compiles ahead). The gradient is described
+    contiguous, as the compiled graphs hand it over; another layout compiles at its first launch."""
+    rate_m, dt_m = kernel_prewarm.meta_like(rate), kernel_prewarm.meta_like(dt)
+    offsets_m = None if start_offsets is None else kernel_prewarm.meta_like(start_offsets)
+    grad = rate_m.new_empty(*rate.shape[:2], dt.shape[2], rate.shape[2])
+    launches: list[Launch] = []
+    document_angles_bwd_triton(rate_m, dt_m, offsets_m, grad, launch=launches.append)
+    return launches
 
 
 if triton is not None:
@@ -321,7 +341,11 @@ if triton is not None:
     def _fwd_cuda(rate: Tensor, dt: Tensor, start_offsets: Tensor | None) -> Tensor:
         if unsupported_reason(rate, dt, start_offsets) is not None:
             return document_angles_reference(rate, dt, start_offsets)
-        return document_angles_triton(rate, dt, start_offsets)
+        theta = document_angles_triton(rate, dt, start_offsets)
+        # The first call of each layout also starts compiling the backward's kernel.
+        kernel_prewarm.warm_in_background(("mamba3_document_angles_bwd",), (rate, dt, start_offsets), rate.device,
+                                          lambda: backward_launches(rate, dt, start_offsets))
+        return theta
 
     def _bwd_cuda(rate: Tensor, dt: Tensor, start_offsets: Tensor | None, grad: Tensor) -> tuple[Tensor, Tensor]:
         if unsupported_reason(rate, dt, start_offsets, grad) is not None:
@@ -330,6 +354,8 @@ if triton is not None:
 
     _angles_fwd.register_kernel("cuda")(_fwd_cuda)
     _angles_bwd.register_kernel("cuda")(_bwd_cuda)
+    # Fixes each kernel's Triton cache key at import, the same in the trainer and in its compile helpers.
+    kernel_prewarm.pin_cache_keys(globals())
 
 
 def document_angles(rate: Tensor, dt: Tensor, start_offsets: Tensor | None = None) -> Tensor:

@@ -75,6 +75,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.ops import kernel_prewarm
+from megacpp.ops.kernel_prewarm import Launch, run_launch
 
 _MM_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(a) = exp2(a * log2(e))
@@ -717,21 +718,6 @@ def dot_precision(device: torch.device) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch, `kernel[grid](*args, **meta)`; meta holds the constexprs and launch options."""
-
-    kernel: Any  # a triton JITFunction
-    grid: tuple[int, ...]
-    args: tuple
-    meta: dict[str, Any]
-
-
-def run_launch(launch: Launch) -> Any:
-    """Launch it; returns triton's compiled kernel."""
-    return launch.kernel[launch.grid](*launch.args, **launch.meta)
-
-
 def _rows_unit_stride(v: Tensor) -> Tensor:
     """The kernels take any strides over (b, t, h) but need the last dim contiguous."""
     return v if v.stride(-1) == 1 else v.contiguous()
@@ -867,3 +853,7 @@ def fused_bwd(
         grad_theta.to(theta.dtype), grad_ld.to(log_decay.dtype), grad_sig.to(sigma.dtype),
         grad_gam.to(gamma.dtype), grad_D_parts.sum((0, 2)).to(D.dtype), grad_init,
     )
+
+
+# Fixes each kernel's Triton cache key at import, the same in the trainer and in its compile helpers.
+kernel_prewarm.pin_cache_keys(globals())
