@@ -77,9 +77,9 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return _meta_tensor(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
 
 
-def describe_launch(launch: Any) -> dict[str, Any]:
-    """A launch as plain data for the helper:
-    the kernel by module and name, each tensor argument by layout."""
+def describe_launch(launch: Launch) -> dict[str, Any]:
+    """A launch as plain data for the helper: the kernel by module and name, each tensor argument by
+    layout."""
     fn = launch.kernel.fn
     args = [("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype) if isinstance(a, torch.Tensor)
             else a for a in launch.args]

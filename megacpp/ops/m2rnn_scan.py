@@ -237,6 +237,7 @@ def _fast_backward(ctx, grad_y: Tensor | None, grad_last: Tensor | None, _grad_s
 
 _scan_fast_fwd.register_autograd(_fast_backward, setup_context=_fast_setup_context)
 
+
 def _scan_fwd_fast_and_warm(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, h0: Tensor, half_dot: bool,
                             half_states: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The fast forward; its first call of each layout also starts compiling the backward's kernels."""
