@@ -76,6 +76,7 @@ def test_tier1_rounds_alternate_each_run_with_a_fresh_cache_and_its_tree(cold, t
         if cmd[3] == "train":
             out = Path(cmd[cmd.index("--train.out_dir") + 1])
             write_records(out, {"forward": next(first_steps)}, {16: 1000.0})
+            write_kernel(Path(env["MEGACPP_CACHE_DIR"]), "K", "_fwd_kernel")
         return "0"
 
     monkeypatch.setattr(cold, "run_logged", fake_run)
@@ -89,7 +90,9 @@ def test_tier1_rounds_alternate_each_run_with_a_fresh_cache_and_its_tree(cold, t
     labels = [Path(cmd[cmd.index("--train.out_dir") + 1]).name for cmd, _, _ in trains]
     assert labels == ["a.1", "b.1", "a.2", "b.2"]
     caches = [env["MEGACPP_CACHE_DIR"] for _, _, env in trains]
-    assert len(set(caches)) == 4 and all(Path(c).is_dir() and not any(Path(c).iterdir()) for c in caches)
+    assert len(set(caches)) == 4 and all(Path(c).is_dir() for c in caches)
+    assert [sorted(p.name for p in Path(c).rglob("*.json")) for c in caches] == [
+        ["__grp___fwd_kernel.json", "_fwd_kernel.json"]] * 4  # fresh: only what its own run wrote
     assert [cwd for _, cwd, _ in trains] == [None, old.resolve(), None, old.resolve()]
     assert trains[1][2]["PYTHONPATH"].split(":")[0] == str(old.resolve())
     data = str(out / "data")
@@ -98,6 +101,7 @@ def test_tier1_rounds_alternate_each_run_with_a_fresh_cache_and_its_tree(cold, t
     summary = (out / "summary.md").read_text()
     assert "| a | 2 of 2 | 55.0 | 50.0-60.0 | - | 1,000 |" in summary
     assert "| b | 2 of 2 | 80.0 | 70.0-90.0 | - | 1,000 |" in summary
+    assert "- b.2: megacpp kernels 1, compiled variants 1; more than one variant: none" in summary
     with pytest.raises(SystemExit, match="holds runs of an earlier call"):
         cold.main()
 
@@ -113,3 +117,30 @@ def test_tier1_bad_settings_end_in_one_line_before_any_run(cold, tmp_path, monke
     with pytest.raises(SystemExit, match=message):
         cold.main()
     assert not (tmp_path / "cold").exists()
+
+
+def write_kernel(cache: Path, key: str, name: str) -> None:
+    """A compiled kernel as Triton leaves it in its cache: a directory per variant, the metadata beside it."""
+    entry = cache / "triton" / "0" / key
+    entry.mkdir(parents=True)
+    (entry / f"{name}.json").write_text(json.dumps({"name": name, "num_warps": 4}))
+    (entry / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {}}))
+    (entry / f"{name}.cubin").write_bytes(b"")
+
+
+def test_tier1_megacpps_kernel_variants_are_counted_from_the_triton_cache(cold, tmp_path):
+    """Two variants of one kernel (a helper's and the run's own) show as a miss; Inductor's kernels and
+    files that only look like metadata are not counted."""
+    cache = tmp_path / "cache"
+    write_kernel(cache, "A1", "_bwd_chunk_kernel")
+    write_kernel(cache, "A2", "_bwd_chunk_kernel")
+    write_kernel(cache, "B1", "_fused_bwd_kernel")
+    write_kernel(cache, "C1", "triton_poi_fused_add_0")
+    (cache / "fxgraph").mkdir()
+    (cache / "fxgraph" / "_entry.json").write_text(json.dumps({"name": "something else"}))
+    (cache / "fxgraph" / "_broken.json").write_text("{not json")
+    assert cold.own_kernel_variants(cache) == {"_bwd_chunk_kernel": 2, "_fused_bwd_kernel": 1}
+    run = cold.read_run("trace", 2, "0", tmp_path / "missing", tmp_path / "missing.log", (16, 30), cache)
+    assert cold.kernels_line(run) == ("- trace.2: megacpp kernels 2, compiled variants 3; more than one variant: "
+                                      "_bwd_chunk_kernel x2")
+    assert cold.kernels_line(cold.ColdRun("a", 1, "timeout")) == "- a.1: no megacpp kernel in its cache"

@@ -13,17 +13,21 @@ during the call weighs on every variant alike.
 
 Per run, from its metrics.jsonl and log: the first step and its phases, the process's start to its first
 step (CUDA runs, which start under the auto-fit supervisor, print it), and the median tokens/s over
-`--window` steps. Prints a row per run and the medians per variant last, and writes both to
---out/summary.md.
+`--window` steps. From its Triton cache: how many variants of megacpp's own kernels were compiled, by
+kernel. A kernel compiled in two variants where one was expected is a prewarm that missed: its helper
+compiled a launch the run did not make (`megacpp/ops/kernel_prewarm.py`). Prints a row per run and the
+medians per variant last, and writes both, with each run's kernel variants, to --out/summary.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,7 @@ class ColdRun:
     phases_s: dict[str, float] | None = None
     start_to_first_s: float | None = None
     tok_per_s: float | None = None
+    kernel_variants: dict[str, int] | None = None  # megacpp's own Triton kernels in the run's cache, by name
 
 
 def parse_variant(text: str) -> Variant:
@@ -73,17 +78,38 @@ def with_trees(variants: list[Variant], trees: list[str]) -> list[Variant]:
     return [by_name[v.name] for v in variants]
 
 
-def read_run(variant: str, round_: int, exit_code: str, run_dir: Path, log: Path, window: tuple[int, int]) -> ColdRun:
+def own_kernel_variants(cache: Path) -> dict[str, int]:
+    """The compiled variants of megacpp's own Triton kernels under a compile cache, by kernel name. Triton
+    keeps one directory per compiled variant, with `<kernel>.json` beside the binary; Inductor's kernels
+    are named `triton_*`, megacpp's by their Python names, which start with an underscore."""
+    names = Counter()
+    for meta in cache.rglob("*.json"):
+        if meta.name.startswith("__grp__") or not meta.stem.startswith("_"):
+            continue
+        try:
+            name = json.loads(meta.read_text()).get("name")
+        except (OSError, ValueError):
+            continue
+        if name == meta.stem:
+            names[name] += 1
+    return dict(sorted(names.items()))
+
+
+def read_run(variant: str, round_: int, exit_code: str, run_dir: Path, log: Path, window: tuple[int, int],
+             cache: Path | None = None) -> ColdRun:
     """A run's figures from its metrics.jsonl (the compile record's first-step phases, the train records'
-    tokens/s) and its log (the start-to-first-step line); None where the run did not get that far."""
+    tokens/s), its log (the start-to-first-step line) and its compile cache (megacpp's kernel variants);
+    None where the run did not get that far."""
     metrics = run_dir / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else []
     compile_records = [r for r in records if r["kind"] == "compile" and "first_step_phases_s" in r]
     phases = compile_records[0]["first_step_phases_s"] if compile_records else None
     rates = [r["tok_per_s"] for r in records if r["kind"] == "train" and window[0] <= r["step"] <= window[1]]
     found = START_TO_FIRST.search(log.read_text(errors="replace")) if log.is_file() else None
+    variants = own_kernel_variants(cache) if cache is not None and cache.is_dir() else None
     return ColdRun(variant, round_, exit_code, sum(phases.values()) if phases else None, phases,
-                   float(found.group(1)) if found else None, statistics.median(rates) if rates else None)
+                   float(found.group(1)) if found else None, statistics.median(rates) if rates else None,
+                   variants or None)
 
 
 def tree_env(tree: Path | None, cache: Path) -> dict[str, str]:
@@ -101,7 +127,7 @@ def cold_run(v: Variant, round_: int, args: argparse.Namespace, extra: list[str]
     cmd = [sys.executable, "-m", "megacpp.cli", "train", "--no-progress", *extra, *v.args,
            "--data.cache_dir", str(data), "--train.out_dir", str(run_dir)]
     code = run_logged(cmd, log, timeout_s=args.timeout_s, cwd=v.tree, env=tree_env(v.tree, cache))
-    return read_run(v.name, round_, code, run_dir, log, args.window)
+    return read_run(v.name, round_, code, run_dir, log, args.window, cache)
 
 
 def _seconds(value: float | None) -> str:
@@ -113,6 +139,16 @@ def run_row(run: ColdRun) -> str:
     rate = "-" if run.tok_per_s is None else f"{run.tok_per_s:,.0f}"
     return (f"| {run.variant} | {run.round} | {run.exit} | {_seconds(run.first_step_s)} | {' | '.join(phases)} | "
             f"{_seconds(run.start_to_first_s)} | {rate} |")
+
+
+def kernels_line(run: ColdRun) -> str:
+    """`variant.round`: megacpp's kernels in its cache, the ones with more than one variant named."""
+    label = f"{run.variant}.{run.round}"
+    if not run.kernel_variants:
+        return f"- {label}: no megacpp kernel in its cache"
+    several = [f"{name} x{count}" for name, count in run.kernel_variants.items() if count > 1]
+    return (f"- {label}: megacpp kernels {len(run.kernel_variants)}, compiled variants "
+            f"{sum(run.kernel_variants.values())}; more than one variant: {', '.join(several) or 'none'}")
 
 
 def median_row(name: str, runs: list[ColdRun]) -> str:
@@ -134,6 +170,7 @@ def summary(variants: list[Variant], runs: list[ColdRun], window: tuple[int, int
     lines += ["", "| variant | runs with a first step | first step s (median) | spread | start to first step s "
               "(median) | tok/s (median) |", "|---|---|---:|---|---:|---:|"]
     lines += [median_row(v.name, [r for r in runs if r.variant == v.name]) for v in variants]
+    lines += ["", "megacpp's own Triton kernels compiled in each run's cache:", *[kernels_line(r) for r in runs]]
     return "\n".join(lines)
 
 
