@@ -1,5 +1,5 @@
-"""megacpp/ops/kernel_prewarm.py: the backward's Triton kernels described at the forward, as the backward will
-launch them, and compiled once per layout in worker threads."""
+"""megacpp/ops/kernel_prewarm.py: the M, R and angle ops' backward Triton kernels described at the forward, as
+the backward will launch them, compiled once per layout by a helper, with cache keys fixed at import."""
 from __future__ import annotations
 
 import importlib
