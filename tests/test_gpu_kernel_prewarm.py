@@ -22,9 +22,7 @@ def _entries(cache) -> set[str]:
 @pytest.mark.parametrize("offset", [0, 3])
 def test_tier2_the_backward_compiles_nothing_after_the_prewarm(offset, tmp_path, monkeypatch):
     """A fresh Triton cache, and sizes of the test's own (t = 333, n = 80)."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_prewarm, "_submitted", {})
-    monkeypatch.setattr(kernel_prewarm, "_per_name", {})
+    _fresh_cache(tmp_path, monkeypatch)
     device = torch.device("cuda", torch.cuda.current_device())
     inputs = _mixer_layout(2, 333, 4, 32, 2, 80, 8, torch.bfloat16, offset, device)
     y, _, states, y_pre = mamba3_fused._fused_fwd(*inputs, None, 32, torch.bfloat16)

@@ -96,6 +96,8 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
     if not enabled(device) or _per_name.get(name, 0) >= MAX_KEYS:  # the forward's hot path: nothing more to do
         return None
     key = (name, tensor_key(*tensors))
+    if key in _submitted:  # every later forward of a layout: no lock
+        return None
     with _lock:
         if key in _submitted or _per_name.get(name, 0) >= MAX_KEYS:
             return None
