@@ -160,6 +160,27 @@ def test_expert_parallel_blocks_compile_with_zero_breaks_and_equal_graphs_on_bot
 
 
 @pytest.mark.slow
+def test_tier3_routed_experts_on_adamw_under_expert_parallelism_match_one_rank_and_reload(tmp_path, corpus):
+    """`optim.expert_optimizer adamw` with EP = 2: each rank steps its own experts' AdamW moments. 8 steps
+    agree with one process at the same global batch to the Muon bound above (the other matrices stay on
+    Muon), the group table counts the whole experts under AdamW, and the step-8 checkpoint (whole expert
+    moments) loads bit-identically with EP = 2 and on one rank."""
+    extra = {"train.steps": "8", "optim.expert_optimizer": "adamw"}
+    single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **extra, **{"train.batch_size": "4"})])
+    assert "adamw:hidden                   2         8,192" in single.check().output
+    result = launch(tmp_path / "ep", corpus, **extra, **EP).check()
+    assert "adamw:hidden                   2         8,192" in result.output, "both ranks' experts, counted whole"
+    one, ep = losses(tmp_path / "one" / "run"), losses(tmp_path / "ep" / "run")
+    assert len(one) == len(ep) == 8
+    assert abs(one[0] - ep[0]) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(one, ep, strict=True)) <= 2e-3
+    for nproc, batch, degree in ((2, "2", "2"), (1, "4", "1")):
+        inspect = args(tmp_path / "ep", corpus, **extra, **{"train.batch_size": batch, "dist.expert_parallel": degree})
+        result = torchrun(["tests/distributed/inspect_run.py", *inspect], nproc=nproc, timeout=120).check()
+        assert result.output.count("PASS") == nproc
+
+
+@pytest.mark.slow
 def test_tier1_an_expert_parallel_checkpoint_resumes_bitwise_and_loads_in_every_layout(tmp_path, corpus):
     """Interrupted at step 4 and resumed to 6 with EP = 2: losses and weights bit-identical to an
     uninterrupted run. The step-3 checkpoint holds whole expert tensors and loads bit-identically

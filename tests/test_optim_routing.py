@@ -47,6 +47,28 @@ def test_tier1_tiny_hybrid_routes() -> None:
         assert groups[name] == group, name
 
 
+def test_tier1_expert_optimizer_adamw_moves_exactly_the_routed_experts_to_adamw() -> None:
+    """`optim.expert_optimizer adamw` on the real model: the E blocks' w_up and w_down (hinted routed_expert
+    by MoE itself) leave Muon for AdamW's hidden group; every other parameter keeps its group, R's stacked W
+    included. The stand-in (TinyHybrid) moves the same way."""
+    from megacpp.model.hybrid import HybridLM
+    from megacpp.presets import small
+
+    cfg = small()
+    cfg.model.depth = 12
+    with torch.device("meta"):
+        model = HybridLM(cfg.model)
+    for case, base in ((model, cfg.optim), (TinyHybrid(), OptimConfig())):
+        muon = _groups(case, base)
+        adamw = _groups(case, OptimConfig(**{**vars(base), "expert_optimizer": "adamw"}))
+        moved = {name for name in muon if muon[name] != adamw[name]}
+        experts = {name for name in muon if name.endswith(("mixer.w_up", "mixer.w_down"))}
+        assert experts and moved == experts
+        assert all(muon[name].startswith("muon:") and adamw[name].startswith("adamw:hidden") for name in moved)
+    assert any(p.ndim == 3 and _groups(model, cfg.optim)[n].startswith("muon:")
+               for n, p in model.named_parameters() if n.endswith("mixer.W")), "R's stacked W stays on Muon"
+
+
 def test_tier1_stacked_default_scaling_and_hint_override() -> None:
     model = TinyHybrid()
     del model.blocks[2].mixer.param_hints["w_up"]  # unhinted stacked weight: expert_lr_scaling default

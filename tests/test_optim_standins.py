@@ -74,8 +74,8 @@ class TinyMoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(n_experts, hidden, d_model) / math.sqrt(d_model))
         self.w_down = nn.Parameter(torch.randn(n_experts, d_model, hidden) / math.sqrt(hidden))
         self.param_hints = {"gate.weight": ParamHint(optimizer="adamw"),
-                            "w_up": ParamHint(lr_scaling="match_rms_adamw"),
-                            "w_down": ParamHint(lr_scaling="match_rms_adamw")}
+                            "w_up": ParamHint(lr_scaling="match_rms_adamw", routed_expert=True),
+                            "w_down": ParamHint(lr_scaling="match_rms_adamw", routed_expert=True)}
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         weights = self.gate(x).softmax(-1)  # (b, t, E)

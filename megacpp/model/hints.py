@@ -35,6 +35,8 @@ class ParamHint:
     # After every optimizer step each matrix (last two dims) is rescaled to at most this largest
     # singular value (megacpp.optim.spectral_cap); None: unbounded.
     max_spectral_norm: float | None = None
+    # A routed expert's stacked weights: optim.expert_optimizer picks Muon or AdamW for them.
+    routed_expert: bool = False
 
 
 def canonical_name(name: str) -> str:

@@ -199,8 +199,8 @@ class MoE(nn.Module):
 
     param_hints = {
         "gate.weight": ParamHint(optimizer="adamw"),  # the router stays fp32 and off Muon
-        "w_up": ParamHint(lr_scaling="match_rms_adamw"),
-        "w_down": ParamHint(lr_scaling="match_rms_adamw"),
+        "w_up": ParamHint(lr_scaling="match_rms_adamw", routed_expert=True),
+        "w_down": ParamHint(lr_scaling="match_rms_adamw", routed_expert=True),
     }
     # Each rank routes its own tokens; the bias update must see the counts of the whole global batch.
     reduced_buffers = {"tokens_per_expert": "sum", "overflow": "sum"}

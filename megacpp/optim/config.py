@@ -15,6 +15,7 @@ from megacpp.rules import NON_NEGATIVE, UNIT, ConfigSection, Interval, Keys
 LRScaling = Literal["original", "match_rms_adamw"]
 CoefficientSet = Literal["polar_express", "quintic"]
 MomentumDtype = Literal["bfloat16", "float32"]
+ExpertOptimizer = Literal["muon", "adamw"]
 DecayShape = Literal["linear", "cosine"]
 LR_SCALINGS = get_args(LRScaling)
 DECAY_SHAPES = get_args(DecayShape)
@@ -39,6 +40,10 @@ class OptimConfig(ConfigSection):
     momentum_dtype: MomentumDtype = "bfloat16"  # Muon's momentum buffer; the arithmetic is fp32 either way
     muon_lr_scaling: LRScaling = "original"  # default for 2-D matrices
     expert_lr_scaling: LRScaling = "match_rms_adamw"  # default for stacked (E, A, B) expert weights
+    # The routed experts' weights (hinted routed_expert): "adamw" sends them to AdamW ("adamw:hidden"). Muon
+    # orthogonalizes every expert every step, whatever few tokens it saw: at `small`'s 32k tokens per
+    # step that is most of Muon's products (docs/optim.md, "Experts").
+    expert_optimizer: ExpertOptimizer = "muon"
 
     # AdamW (embeddings, heads, norms, biases, scalars, tagged parameters)
     adamw_lr: float = 3e-3

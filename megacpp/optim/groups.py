@@ -4,7 +4,8 @@ The default routes are a table, `DEFAULT_ROUTES`, first match wins (hints are th
 ``param_hints``, collected by name before any wrapping):
   0. hint optimizer naming another registered optimizer (megacpp.optim.registry) -> "<name>:hinted"
   1. hint optimizer "muon" (must be ndim >= 2), or unhinted ndim >= 2 under `blocks.<i>.mixer` or
-     `blocks.<i>.engram` -> Muon, "muon:<lr scaling>" ("adamw:hidden" with use_muon off)
+     `blocks.<i>.engram` -> Muon, "muon:<lr scaling>" ("adamw:hidden" with use_muon off, and for the
+     routed experts' weights, hinted routed_expert, with expert_optimizer "adamw")
   2. under `tok_embed` / `ngram_embed` -> AdamW "embed"
   3. under `lm_head` / `mtp` -> AdamW "head"
   4. hint optimizer "adamw", or ndim < 2 -> AdamW "other"
@@ -56,8 +57,9 @@ def _is_hidden_matrix(name: str, param: nn.Parameter, hint: ParamHint) -> bool:
 
 def _muon_group(name: str, param: nn.Parameter, hint: ParamHint, cfg: OptimConfig) -> str:
     """Muon's group is its lr scaling mode (hint, else expert_lr_scaling for stacked (E, A, B) weights, else
-    muon_lr_scaling): each mode has its own base lr. use_muon=False sends hidden matrices to AdamW."""
-    if not cfg.use_muon:
+    muon_lr_scaling): each mode has its own base lr. use_muon=False sends hidden matrices to AdamW, and
+    expert_optimizer="adamw" the routed experts' weights."""
+    if not cfg.use_muon or (hint.routed_expert and cfg.expert_optimizer == "adamw"):
         return "adamw:hidden"
     mode = hint.lr_scaling or (cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling)
     if mode not in LR_SCALINGS:
