@@ -1,0 +1,160 @@
+"""A run resumed on other numbers of GPUs and back: does it continue the uninterrupted run?
+
+    python benchmarks/runs/resume_across.py --out /tmp/ra --gpus 8,2,8 --preset nam52 --steps 12 -- \\
+        --train.recompute all
+    python benchmarks/runs/resume_across.py --out /tmp/ra --gpus 2,1,2 --cpu -- <megacpp train arguments>
+
+The first entry of --gpus trains the uninterrupted run (`straight`) for --steps steps, with a checkpoint
+every --every steps (default: --steps over the number of stages). Stage i then copies stage i-1's run
+directory (stage 0: the straight run's), keeps its checkpoints and metrics up to step i x every, and
+resumes from there with `--resume` on gpus[i] GPUs to the last step. Every stage keeps the rows of an
+optimizer step (GPUs x batch x grad_accum, README "Resuming on another number of GPUs"): the per-GPU
+micro-batch stays --batch and grad_accum makes up the rest, so every stage reads the straight run's rows.
+
+Printed per stage: the loss at its first step against the straight run's (the same weights and rows:
+equal but for the order of the ranks' sums), and the largest loss difference over its steps up to the
+next stage's start. Exit status 1 when a launch fails or a stage's first-step loss differs by more than
+--first-step-rtol (another token stream, or weights that did not load). `--cpu`: gloo ranks on the CPU
+(the test's mode); otherwise every launch is a `torchrun` on this host's GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="a directory for the runs (emptied first)")
+    p.add_argument("--gpus", default="8,2,8", help="world size of each stage, the first the straight run's")
+    p.add_argument("--preset", default="nam52")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=0, help="steps per stage (0: --steps over the stages)")
+    p.add_argument("--batch", type=int, default=0, help="micro-batch per GPU (0: the preset's batch_size)")
+    p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU instead of GPUs")
+    p.add_argument("--timeout-s", type=float, default=1800, help="wall-clock limit of each launch")
+    p.add_argument("--first-step-rtol", type=float, default=1e-3)
+    args = p.parse_args(own)
+    args.gpus = [int(g) for g in args.gpus.split(",")]
+    if len(args.gpus) < 2 or min(args.gpus) < 1:
+        p.error(f"--gpus {','.join(map(str, args.gpus))}: give at least two world sizes, each >= 1")
+    stages = len(args.gpus)
+    args.every = args.every or args.steps // stages
+    if args.every < 1 or args.every * (stages - 1) >= args.steps:
+        p.error(f"--steps {args.steps} with --every {args.every}: every stage needs at least one step "
+                f"(stage {stages - 1} starts at step {args.every * (stages - 1)})")
+    if not args.batch:
+        from megacpp.presets import preset
+        args.batch = preset(args.preset).train.batch_size
+    rows = args.batch * args.gpus[0]
+    uneven = [g for g in args.gpus if rows % (args.batch * g)]
+    if uneven:
+        p.error(f"--gpus {uneven}: {rows} rows per step (the first stage's {args.gpus[0]} x {args.batch}) "
+                f"are not a whole number of micro-batches of {args.batch} per GPU")
+    return args, extra
+
+
+def train_command(args: argparse.Namespace, gpus: int, out_dir: Path, extra: list[str], resume: bool) -> list[str]:
+    accum = args.batch * args.gpus[0] // (args.batch * gpus)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+                "-m", "megacpp.cli"]
+    return [*launcher, "train", "--preset", args.preset, "--no-progress", *extra,
+            f"--train.steps={args.steps}", f"--train.ckpt_every={args.every}",
+            f"--train.keep_last={args.steps // args.every + 1}", f"--train.batch_size={args.batch}",
+            f"--train.grad_accum={accum}", f"--train.out_dir={out_dir}", *(["--resume"] if resume else [])]
+
+
+def launch(cmd: list[str], log: Path, args: argparse.Namespace) -> float:
+    """Run one training job under the wall-clock limit; its output goes to `log`. Seconds taken."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if args.cpu:
+        env.update({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise SystemExit(f"{log.name}: no end after {args.timeout_s:.0f} s (killed); see {log}") from None
+    if code != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise SystemExit(f"{log.name}: exit {code}; the last lines of {log}:\n{tail}")
+    return time.monotonic() - start
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Training loss per step; a step logged again after a resume keeps its latest record."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def cut_to(run_dir: Path, step: int) -> None:
+    """Leave the run as it was at `step`: later checkpoints and metrics records go."""
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        if ckpt.name.startswith("step_") and int(ckpt.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(ckpt)
+    metrics = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+    metrics.write_text("".join(line + "\n" for line in kept))
+
+
+def main(argv: list[str]) -> int:
+    args, extra = parse_args(argv)
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    straight = args.out / "straight"
+    seconds = launch(train_command(args, args.gpus[0], straight, extra, False), args.out / "straight.log", args)
+    print(f"straight: {args.gpus[0]} GPU(s), {args.steps} steps in {seconds:.0f} s", flush=True)
+    reference = losses(straight)
+    previous, failed = straight, False
+    rows = []
+    for stage, gpus in enumerate(args.gpus[1:], start=1):
+        start = stage * args.every
+        run_dir = args.out / f"stage{stage}"
+        shutil.copytree(previous, run_dir)
+        cut_to(run_dir, start)
+        seconds = launch(train_command(args, gpus, run_dir, extra, True), args.out / f"stage{stage}.log", args)
+        got = losses(run_dir)
+        end = args.steps if stage == len(args.gpus) - 1 else start + args.every
+        steps = range(start + 1, end + 1)
+        missing = [s for s in steps if s not in got]
+        if missing:
+            raise SystemExit(f"stage {stage}: no loss logged for steps {missing} in {run_dir / 'metrics.jsonl'}")
+        first = abs(got[start + 1] - reference[start + 1])
+        worst = max(abs(got[s] - reference[s]) for s in steps)
+        same = first <= args.first_step_rtol * abs(reference[start + 1])
+        failed |= not same
+        accum = args.batch * args.gpus[0] // (args.batch * gpus)
+        rows.append((stage, gpus, accum, start, end, reference[start + 1], first, worst, same, seconds))
+        print(f"stage {stage}: {gpus} GPU(s) x {args.batch} x accum {accum} from step {start}: first-step loss "
+              f"{got[start + 1]:.6f} against {reference[start + 1]:.6f} (|diff| {first:.2e}); largest |diff| "
+              f"to step {end} {worst:.2e}; {seconds:.0f} s", flush=True)
+        previous = run_dir
+    print("\n| stage | GPUs x batch x accum | steps | first-step loss, straight | its \\|diff\\| | largest \\|diff\\| |"
+          " same rows |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for stage, gpus, accum, start, end, ref, first, worst, same, _ in rows:
+        print(f"| {stage} | {gpus} x {args.batch} x {accum} | {start + 1}-{end} | {ref:.6f} | {first:.2e} | "
+              f"{worst:.2e} | {'yes' if same else 'NO'} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""benchmarks/runs/resume_across.py, the tool behind issue 37's 8 -> 2 -> 8 resume, on gloo CPU ranks: a
+`tiny` run on 2 ranks resumed on 1 and back on 2 continues the uninterrupted run."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import tiny_overrides, write_corpus
+from tests.torchrun import ROOT, worker_env
+
+TOOL = ROOT / "benchmarks" / "runs" / "resume_across.py"
+SET_BY_THE_TOOL = ("train.steps", "train.ckpt_every", "train.batch_size", "train.out_dir")
+
+
+def tool(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=ROOT, env=worker_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_tier3_two_ranks_resumed_on_one_and_back_continue_the_straight_run(tmp_path):
+    """Stages 2 -> 1 -> 2 ranks (1 rank: 2 micro-batches of 2 rows), 6 steps, 2 per stage. Each stage's
+    first loss is the straight run's but for the order of the ranks' sums (measured 0 to 1e-7 relative;
+    bound 1e-5: another row would move it by far more), and its later steps stay within the Muon bound
+    of the two-rank tests (tests/test_dist_train.py: 2e-3)."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    overrides = {k: v for k, v in tiny_overrides(tmp_path, corpus).items() if k not in SET_BY_THE_TOOL}
+    extra = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
+    result = tool(["--out", str(tmp_path / "ra"), "--gpus", "2,1,2", "--preset", "tiny", "--steps", "6",
+                   "--batch", "2", "--cpu", "--timeout-s", "240", "--", *extra])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    number = r"([\d.e+-]+)"
+    rows = re.findall(rf"^\| (\d) \| (\d) x 2 x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$",
+                      result.stdout, re.M)
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("1", "1", "2", "3", "4"), ("2", "2", "1", "5", "6")]
+    for *_, loss, first, worst, same in rows:
+        assert same == "yes"
+        assert float(first) <= 1e-5 * float(loss)
+        assert float(worst) <= 2e-3
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpus", "8"], "give at least two world sizes"),
+    (["--gpus", "8,3,8", "--batch", "4"], "--gpus [3]: 32 rows per step"),
+    (["--gpus", "2,1,2", "--steps", "4", "--every", "2", "--batch", "2"], "every stage needs at least one step"),
+])
+def test_tier1_a_plan_that_cannot_keep_the_rows_or_the_stages_is_refused_in_one_line(tmp_path, args, message):
+    result = tool(["--out", str(tmp_path / "ra"), *args], timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "ra").exists(), "refused before anything ran"
