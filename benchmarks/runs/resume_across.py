@@ -11,10 +11,12 @@ resumes from there with `--resume` on gpus[i] GPUs to the last step. Every stage
 optimizer step (GPUs x batch x grad_accum, README "Resuming on another number of GPUs"): the per-GPU
 micro-batch stays --batch and grad_accum makes up the rest, so every stage reads the straight run's rows.
 
-Printed per stage: the loss at its first step against the straight run's (the same weights and rows:
-equal but for the order of the ranks' sums), and the largest loss difference over its steps up to the
-next stage's start. Exit status 1 when a launch fails or a stage's first-step loss differs by more than
---first-step-rtol (another token stream, or weights that did not load). `--cpu`: gloo ranks on the CPU
+Printed per stage: the loss at its first step against the previous stage's at that step (the same
+weights, from that stage's checkpoint, and the same rows: equal but for the order of the ranks' sums),
+and the largest loss difference from the straight run over its steps up to the next stage's start (from
+stage 2 on the weights also carry the earlier stages' rounding). Exit status 1 when a launch fails or a
+stage's first-step loss differs by more than --first-step-rtol (another token stream, or weights that did
+not load). `--cpu`: gloo ranks on the CPU
 (the test's mode); otherwise every launch is a `torchrun` on this host's GPUs.
 """
 from __future__ import annotations
@@ -123,7 +125,7 @@ def main(argv: list[str]) -> int:
     seconds = launch(train_command(args, args.gpus[0], straight, extra, False), args.out / "straight.log", args)
     print(f"straight: {args.gpus[0]} GPU(s), {args.steps} steps in {seconds:.0f} s", flush=True)
     reference = losses(straight)
-    previous, failed = straight, False
+    previous, before, failed = straight, reference, False
     rows = []
     for stage, gpus in enumerate(args.gpus[1:], start=1):
         start = stage * args.every
@@ -137,18 +139,18 @@ def main(argv: list[str]) -> int:
         missing = [s for s in steps if s not in got]
         if missing:
             raise SystemExit(f"stage {stage}: no loss logged for steps {missing} in {run_dir / 'metrics.jsonl'}")
-        first = abs(got[start + 1] - reference[start + 1])
+        first = abs(got[start + 1] - before[start + 1])
         worst = max(abs(got[s] - reference[s]) for s in steps)
-        same = first <= args.first_step_rtol * abs(reference[start + 1])
+        same = first <= args.first_step_rtol * abs(before[start + 1])
         failed |= not same
         accum = args.batch * args.gpus[0] // (args.batch * gpus)
-        rows.append((stage, gpus, accum, start, end, reference[start + 1], first, worst, same, seconds))
+        rows.append((stage, gpus, accum, start, end, before[start + 1], first, worst, same, seconds))
         print(f"stage {stage}: {gpus} GPU(s) x {args.batch} x accum {accum} from step {start}: first-step loss "
-              f"{got[start + 1]:.6f} against {reference[start + 1]:.6f} (|diff| {first:.2e}); largest |diff| "
-              f"to step {end} {worst:.2e}; {seconds:.0f} s", flush=True)
-        previous = run_dir
-    print("\n| stage | GPUs x batch x accum | steps | first-step loss, straight | its \\|diff\\| | largest \\|diff\\| |"
-          " same rows |")
+              f"{got[start + 1]:.6f} against the previous stage's {before[start + 1]:.6f} (|diff| {first:.2e}); "
+              f"largest |diff| from the straight run to step {end} {worst:.2e}; {seconds:.0f} s", flush=True)
+        previous, before = run_dir, got
+    print("\n| stage | GPUs x batch x accum | steps | first-step loss, previous stage | its \\|diff\\| |"
+          " largest \\|diff\\| from straight | same rows |")
     print("|---|---|---|---:|---:|---:|---|")
     for stage, gpus, accum, start, end, ref, first, worst, same, _ in rows:
         print(f"| {stage} | {gpus} x {args.batch} x {accum} | {start + 1}-{end} | {ref:.6f} | {first:.2e} | "
