@@ -45,6 +45,8 @@ def test_tier3_two_ranks_resumed_on_one_and_back_continue_the_straight_run(tmp_p
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpus", "8"], "give at least two world sizes"),
+    (["--gpus", "8,two"], "expected world sizes separated by commas"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--gpus", "8,3,8", "--batch", "4"], "--gpus [3]: 32 rows per step"),
     (["--gpus", "2,1,2", "--steps", "4", "--every", "2", "--batch", "2"], "every stage needs at least one step"),
 ])

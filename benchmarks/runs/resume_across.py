@@ -25,10 +25,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from run_dirs import run_logged, run_metrics  # benchmarks/runs (the script's directory is on sys.path)
+
+from megacpp.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +42,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="a directory for the runs (emptied first)")
     p.add_argument("--gpus", default="8,2,8", help="world size of each stage, the first the straight run's")
-    p.add_argument("--preset", default="nam52")
+    p.add_argument("--preset", default="nam52", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=0, help="steps per stage (0: --steps over the stages)")
     p.add_argument("--batch", type=int, default=0, help="micro-batch per GPU (0: the preset's batch_size)")
@@ -47,7 +50,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--timeout-s", type=float, default=1800, help="wall-clock limit of each launch")
     p.add_argument("--first-step-rtol", type=float, default=1e-3)
     args = p.parse_args(own)
-    args.gpus = [int(g) for g in args.gpus.split(",")]
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",")]
+    except ValueError:
+        p.error(f"--gpus {args.gpus!r}: expected world sizes separated by commas, e.g. 8,2,8")
     if len(args.gpus) < 2 or min(args.gpus) < 1:
         p.error(f"--gpus {','.join(map(str, args.gpus))}: give at least two world sizes, each >= 1")
     stages = len(args.gpus)
@@ -56,55 +62,46 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--steps {args.steps} with --every {args.every}: every stage needs at least one step "
                 f"(stage {stages - 1} starts at step {args.every * (stages - 1)})")
     if not args.batch:
-        from megacpp.presets import preset
         args.batch = preset(args.preset).train.batch_size
     rows = args.batch * args.gpus[0]
-    uneven = [g for g in args.gpus if rows % (args.batch * g)]
+    uneven = [g for g in args.gpus if args.gpus[0] % g]
     if uneven:
         p.error(f"--gpus {uneven}: {rows} rows per step (the first stage's {args.gpus[0]} x {args.batch}) "
                 f"are not a whole number of micro-batches of {args.batch} per GPU")
     return args, extra
 
 
+def accumulation(args: argparse.Namespace, gpus: int) -> int:
+    """Micro-batches per step on `gpus` GPUs that keep the first stage's rows per step."""
+    return args.gpus[0] // gpus
+
+
 def train_command(args: argparse.Namespace, gpus: int, out_dir: Path, extra: list[str], resume: bool) -> list[str]:
-    accum = args.batch * args.gpus[0] // (args.batch * gpus)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                 "-m", "megacpp.cli"]
     return [*launcher, "train", "--preset", args.preset, "--no-progress", *extra,
             f"--train.steps={args.steps}", f"--train.ckpt_every={args.every}",
             f"--train.keep_last={args.steps // args.every + 1}", f"--train.batch_size={args.batch}",
-            f"--train.grad_accum={accum}", f"--train.out_dir={out_dir}", *(["--resume"] if resume else [])]
+            f"--train.grad_accum={accumulation(args, gpus)}", f"--train.out_dir={out_dir}",
+            *(["--resume"] if resume else [])]
 
 
-def launch(cmd: list[str], log: Path, args: argparse.Namespace) -> float:
-    """Run one training job under the wall-clock limit; its output goes to `log`. Seconds taken."""
+def launch(cmd: list[str], log: Path, args: argparse.Namespace) -> None:
+    """Run one training job under the wall-clock limit, its output in `log`; SystemExit when it fails."""
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     if args.cpu:
         env.update({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    start = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise SystemExit(f"{log.name}: no end after {args.timeout_s:.0f} s (killed); see {log}") from None
-    if code != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise SystemExit(f"{log.name}: exit {code}; the last lines of {log}:\n{tail}")
-    return time.monotonic() - start
+    code = run_logged(cmd, log, args.timeout_s, cwd=ROOT, env=env)
+    if code != "0":
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise SystemExit(f"{log.name}: {'no end within the time limit' if code == 'timeout' else 'exit ' + code}; "
+                         f"the last lines of {log}:\n{tail}")
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     """Training loss per step; a step logged again after a resume keeps its latest record."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "train":
-            out[record["step"]] = record["loss"]
-    return out
+    return {r["step"]: r["loss"] for r in run_metrics(run_dir) if r["kind"] == "train"}
 
 
 def cut_to(run_dir: Path, step: int) -> None:
@@ -122,8 +119,9 @@ def main(argv: list[str]) -> int:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     straight = args.out / "straight"
-    seconds = launch(train_command(args, args.gpus[0], straight, extra, False), args.out / "straight.log", args)
-    print(f"straight: {args.gpus[0]} GPU(s), {args.steps} steps in {seconds:.0f} s", flush=True)
+    started = time.monotonic()
+    launch(train_command(args, args.gpus[0], straight, extra, False), args.out / "straight.log", args)
+    print(f"straight: {args.gpus[0]} GPU(s), {args.steps} steps in {time.monotonic() - started:.0f} s", flush=True)
     reference = losses(straight)
     previous, before, failed = straight, reference, False
     rows = []
@@ -132,7 +130,9 @@ def main(argv: list[str]) -> int:
         run_dir = args.out / f"stage{stage}"
         shutil.copytree(previous, run_dir)
         cut_to(run_dir, start)
-        seconds = launch(train_command(args, gpus, run_dir, extra, True), args.out / f"stage{stage}.log", args)
+        started = time.monotonic()
+        launch(train_command(args, gpus, run_dir, extra, True), args.out / f"stage{stage}.log", args)
+        seconds = time.monotonic() - started
         got = losses(run_dir)
         end = args.steps if stage == len(args.gpus) - 1 else start + args.every
         steps = range(start + 1, end + 1)
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
         worst = max(abs(got[s] - reference[s]) for s in steps)
         same = first <= args.first_step_rtol * abs(before[start + 1])
         failed |= not same
-        accum = args.batch * args.gpus[0] // (args.batch * gpus)
+        accum = accumulation(args, gpus)
         rows.append((stage, gpus, accum, start, end, before[start + 1], first, worst, same, seconds))
         print(f"stage {stage}: {gpus} GPU(s) x {args.batch} x accum {accum} from step {start}: first-step loss "
               f"{got[start + 1]:.6f} against the previous stage's {before[start + 1]:.6f} (|diff| {first:.2e}); "

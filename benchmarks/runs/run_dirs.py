@@ -2,6 +2,8 @@
 metrics, with one-line errors instead of tracebacks; a command run with its output in a log."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,13 @@ def step_window(text: str, option: str) -> tuple[int, int]:
 
 def run_logged(cmd: list[str], log: Path, timeout_s: float | None, cwd: Path | None = None,
                env: dict[str, str] | None = None) -> str:
-    """Run ``cmd`` with its output in ``log``: its exit code as text, or "timeout"."""
+    """Run ``cmd`` with its output in ``log``: its exit code as text, or "timeout". On the timeout its whole
+    process group is killed: a torchrun's workers, not only torchrun."""
     with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
-            return str(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                      timeout=timeout_s).returncode)
+            return str(proc.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return "timeout"
