@@ -14,6 +14,12 @@ front end took the GIL from the trainer's compile, and the forward grew by 3 s (
 differs from the real launch (an unforeseen layout) costs only the helper's time: the real launch
 compiles as it would have.
 
+A backward that starts while its helper is still compiling would compile the same kernels a second
+time, beside the helper and slower for it (one cold `small` run on an H100 took 10.9 s in its first
+backward where three others took 1.5: BENCHMARKS.md, U2). So each op's backward, at its first call, waits
+for its op's helpers (`await_helpers`, at most HELPER_WAIT_S), and the trainer reports after the first
+step what each helper's backward found (`outcomes`).
+
 Set ``MEGACPP_KERNEL_PREWARM=0`` to compile every kernel at its first launch instead.
 """
 from __future__ import annotations
@@ -25,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -38,9 +45,15 @@ import torch
 ENV_SWITCH = "MEGACPP_KERNEL_PREWARM"
 MAX_KEYS = 4  # layouts prewarmed per op and process: training's, and a few more (an eval batch of another size)
 
+# A helper still compiling is waited for up to this long: its kernels take seconds (M's six 6.6 s on two
+# cores); past this it is taken for stuck, and the backward compiles its own.
+HELPER_WAIT_S = 60.0
+
 _lock = threading.Lock()
 _submitted: dict[Hashable, subprocess.Popen | None] = {}  # by (op name, layout)
 _per_name: dict[Hashable, int] = {}  # layouts submitted per op name
+_unawaited: dict[str, list[subprocess.Popen]] = {}  # helpers no backward has waited for yet, by op name
+_outcomes: dict[str, str] = {}  # what each op's first backward found, by the op's name
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,61 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
                       RuntimeWarning, stacklevel=2)
         return None
     _submitted[key] = helper
+    with _lock:
+        _unawaited.setdefault(_display(name), []).append(helper)
     return helper
+
+
+def await_helpers(op: str, timeout_s: float = HELPER_WAIT_S) -> float:
+    """At a backward of `op` (the first item of the name its forward prewarmed under), before its launches:
+    wait for the helpers compiling its kernels that no backward has waited for, at most timeout_s in all;
+    the seconds waited. Free once they have been seen through (a dict lookup), so the ops call it at
+    every backward."""
+    if op not in _unawaited:
+        return 0.0
+    with _lock:
+        helpers = _unawaited.pop(op, [])
+    if not helpers:
+        return 0.0
+    started = time.perf_counter()
+    running = [helper for helper in helpers if helper.poll() is None]
+    for helper in running:
+        try:
+            helper.wait(max(0.0, timeout_s - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            pass
+    waited = time.perf_counter() - started
+    _outcomes.setdefault(op, _outcome(helpers, running, waited))
+    return waited
+
+
+def outcomes() -> str | None:
+    """One line on what each prewarmed op's first backward found, e.g. ``kernel prewarm: mamba3_fused_bwd
+    ready, m2rnn_scan_fast_bwd waited 2.1 s``; None when no backward has waited for a helper."""
+    if not _outcomes:
+        return None
+    return "kernel prewarm: " + ", ".join(f"{name} {what}" for name, what in _outcomes.items())
+
+
+def _display(name: Hashable) -> str:
+    """The op's part of a prewarm name: ``("mamba3_fused_bwd", 64, torch.bfloat16)`` -> ``mamba3_fused_bwd``."""
+    return str(name[0] if isinstance(name, tuple) and name else name)
+
+
+def _outcome(helpers: list[subprocess.Popen], running: list[subprocess.Popen], waited: float) -> str:
+    """ready (every helper done before the backward), waited N s, or still compiling after N s (the backward
+    then compiles its own); and failed helpers, whose logs lie beside their spec files."""
+    stuck = sum(helper.poll() is None for helper in running)
+    failed = sum(helper.poll() not in (None, 0) for helper in helpers)
+    if stuck:
+        what = f"still compiling after {waited:.1f} s: compiled in the trainer"
+    elif running:
+        what = f"waited {waited:.1f} s"
+    else:
+        what = "ready"
+    if failed:
+        what += f" ({failed} helper(s) failed: see megacpp-kernel-prewarm-*.log in {tempfile.gettempdir()})"
+    return what
 
 
 def wait_all(timeout_s: float = 600.0) -> list[int]:

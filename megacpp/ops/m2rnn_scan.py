@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megacpp.ops import kernel_prewarm
+
 try:
     from megacpp.ops import m2rnn_triton, m2rnn_triton_fast
 except ImportError:  # no triton (CPU-only installs): the reference serves every device
@@ -246,6 +248,14 @@ def _scan_fwd_fast_and_warm(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tenso
     return out
 
 
+def _scan_bwd_fast_after_helper(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor,
+                                grad_y: Tensor, grad_last: Tensor, half_dot: bool,
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fast backward; its first call waits for the helper compiling its kernels, if one still is."""
+    kernel_prewarm.await_helpers("m2rnn_scan_fast_bwd")
+    return m2rnn_triton_fast.scan_bwd_fast(q, k, v, f, W, states, grad_y, grad_last, half_dot)
+
+
 if m2rnn_triton is not None:
     # The references serve the CUDA inputs the kernels do not support (see m2rnn_triton.unsupported_reason).
     _scan_fwd.register_kernel("cuda")(m2rnn_triton.with_fallback(m2rnn_triton.scan_fwd_triton, _scan_fwd_reference))
@@ -253,7 +263,7 @@ if m2rnn_triton is not None:
     _scan_fast_fwd.register_kernel("cuda")(
         m2rnn_triton_fast.with_fallback(_scan_fwd_fast_and_warm, _scan_fast_fwd_reference))
     _scan_fast_bwd.register_kernel("cuda")(
-        m2rnn_triton_fast.with_fallback(m2rnn_triton_fast.scan_bwd_fast, _scan_fast_bwd_reference))
+        m2rnn_triton_fast.with_fallback(_scan_bwd_fast_after_helper, _scan_fast_bwd_reference))
 
 
 def uses_fast_scan(device_type: str, dtype: torch.dtype, dk: int, dv: int) -> bool:

@@ -46,6 +46,7 @@ from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
 from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
+from megacpp.ops import kernel_prewarm
 from megacpp.ops.fast_paths import kernel_report
 from megacpp.optim import build_optimizers
 from megacpp.optim.groups import format_routing_table, optimizer_state_bytes, route_parameters
@@ -334,6 +335,8 @@ class Trainer:
                         self.log(line)
                     if self.model_prewarm is not None:
                         self.log(self._model_prewarm_line())
+                    if (line := kernel_prewarm.outcomes()) is not None:
+                        self.log(line)
                 self.losses.append(loss)
                 out_of_time = self.step < tc.steps and self.votes.out_of_time()  # same step on every rank
                 final = self.step == tc.steps or out_of_time  # log, evaluate and save the last step
