@@ -130,13 +130,14 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
     return helper
 
 
-def await_helpers(op: str, timeout_s: float = HELPER_WAIT_S) -> float:
+def await_helpers(op: str, timeout_s: float | None = None) -> float:
     """At a backward of `op` (the first item of the name its forward prewarmed under), before its launches:
-    wait for the helpers compiling its kernels that no backward has waited for, at most timeout_s in all;
-    the seconds waited. Free once they have been seen through (a dict lookup), so the ops call it at
-    every backward."""
+    wait for the helpers compiling its kernels that no backward has waited for, at most timeout_s in all
+    (HELPER_WAIT_S by default); the seconds waited. Free once they have been seen through (a dict lookup),
+    so the ops call it at every backward."""
     if op not in _unawaited:
         return 0.0
+    timeout_s = HELPER_WAIT_S if timeout_s is None else timeout_s
     with _lock:
         helpers = _unawaited.pop(op, [])
     if not helpers:
