@@ -14,11 +14,13 @@ front end took the GIL from the trainer's compile, and the forward grew by 3 s (
 differs from the real launch (an unforeseen layout) costs only the helper's time: the real launch
 compiles as it would have.
 
-A backward that starts while its helper is still compiling would compile the same kernels a second
-time, beside the helper and slower for it (one cold `small` run on an H100 took 10.9 s in its first
-backward where three others took 1.5: BENCHMARKS.md, U2). So each op's backward, at its first call, waits
-for its op's helpers (`await_helpers`, at most HELPER_WAIT_S), and the trainer reports after the first
-step what each helper's backward found (`outcomes`).
+A backward that starts while its helper is still compiling compiles the kernels it needs itself, beside
+the helper, as without one. Waiting for the helper instead was measured and is slower: R's helper starts
+at R's first forward, the pattern's last block kind, and the first backward begins with R's, so R's
+backward waited 2.7-4.6 s and the first backward took 3.7-6.0 s in four cold `small` runs on H100s,
+against 1.5-2.2 s in the runs before it (BENCHMARKS.md, B1 and B2). Each op's first backward notes what it
+found (`note_helpers`: ready, or still compiling), and the trainer logs it after the first step
+(`outcomes`), with the logs of helpers that failed.
 
 Set ``MEGACPP_KERNEL_PREWARM=0`` to compile every kernel at its first launch instead.
 """
@@ -31,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -45,14 +46,10 @@ import torch
 ENV_SWITCH = "MEGACPP_KERNEL_PREWARM"
 MAX_KEYS = 4  # layouts prewarmed per op and process: training's, and a few more (an eval batch of another size)
 
-# A helper still compiling is waited for up to this long: its kernels take seconds (M's six 6.6 s on two
-# cores); past this it is taken for stuck, and the backward compiles its own.
-HELPER_WAIT_S = 60.0
-
 _lock = threading.Lock()
 _submitted: dict[Hashable, subprocess.Popen | None] = {}  # by (op name, layout)
 _per_name: dict[Hashable, int] = {}  # layouts submitted per op name
-_unawaited: dict[str, list[subprocess.Popen]] = {}  # helpers no backward has waited for yet, by op name
+_unnoted: dict[str, list[subprocess.Popen]] = {}  # helpers no backward has looked at yet, by op name
 _outcomes: dict[str, str] = {}  # what each op's first backward found, by the op's name
 
 
@@ -126,37 +123,26 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
         return None
     _submitted[key] = helper
     with _lock:
-        _unawaited.setdefault(_display(name), []).append(helper)
+        _unnoted.setdefault(_display(name), []).append(helper)
     return helper
 
 
-def await_helpers(op: str, timeout_s: float | None = None) -> float:
+def note_helpers(op: str) -> None:
     """At a backward of `op` (the first item of the name its forward prewarmed under), before its launches:
-    wait for the helpers compiling its kernels that no backward has waited for, at most timeout_s in all
-    (HELPER_WAIT_S by default); the seconds waited. Free once they have been seen through (a dict lookup),
-    so the ops call it at every backward."""
-    if op not in _unawaited:
-        return 0.0
-    timeout_s = HELPER_WAIT_S if timeout_s is None else timeout_s
+    note for `outcomes` whether the helpers compiling its kernels are done. One still compiling is not
+    waited for (see the module's note). Free once they have been seen through (a dict lookup), so the
+    ops call it at every backward."""
+    if op not in _unnoted:
+        return
     with _lock:
-        helpers = _unawaited.pop(op, [])
-    if not helpers:
-        return 0.0
-    started = time.perf_counter()
-    running = [helper for helper in helpers if helper.poll() is None]
-    for helper in running:
-        try:
-            helper.wait(max(0.0, timeout_s - (time.perf_counter() - started)))
-        except subprocess.TimeoutExpired:
-            pass
-    waited = time.perf_counter() - started
-    _outcomes.setdefault(op, _outcome(helpers, running, waited))
-    return waited
+        helpers = _unnoted.pop(op, [])
+    if helpers:
+        _outcomes.setdefault(op, _outcome(helpers))
 
 
 def outcomes() -> str | None:
-    """One line on what each prewarmed op's first backward found, e.g. ``kernel prewarm: mamba3_fused_bwd
-    ready, m2rnn_scan_fast_bwd waited 2.1 s``; None when no backward has waited for a helper."""
+    """One line on what each prewarmed op's first backward found, e.g. ``kernel prewarm: m2rnn_scan_fast_bwd
+    still compiling: compiled in the trainer, mamba3_fused_bwd ready``; None when no backward has run."""
     if not _outcomes:
         return None
     return "kernel prewarm: " + ", ".join(f"{name} {what}" for name, what in _outcomes.items())
@@ -167,17 +153,12 @@ def _display(name: Hashable) -> str:
     return str(name[0] if isinstance(name, tuple) and name else name)
 
 
-def _outcome(helpers: list[subprocess.Popen], running: list[subprocess.Popen], waited: float) -> str:
-    """ready (every helper done before the backward), waited N s, or still compiling after N s (the backward
-    then compiles its own); and failed helpers, whose logs lie beside their spec files."""
-    stuck = sum(helper.poll() is None for helper in running)
-    failed = sum(helper.poll() not in (None, 0) for helper in helpers)
-    if stuck:
-        what = f"still compiling after {waited:.1f} s: compiled in the trainer"
-    elif running:
-        what = f"waited {waited:.1f} s"
-    else:
-        what = "ready"
+def _outcome(helpers: list[subprocess.Popen]) -> str:
+    """ready (every helper done before the backward) or still compiling; and failed helpers, whose logs lie
+    beside their spec files."""
+    codes = [helper.poll() for helper in helpers]
+    what = "still compiling: compiled in the trainer" if None in codes else "ready"
+    failed = sum(code not in (None, 0) for code in codes)
     if failed:
         what += f" ({failed} helper(s) failed: see megacpp-kernel-prewarm-*.log in {tempfile.gettempdir()})"
     return what

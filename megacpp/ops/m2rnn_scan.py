@@ -248,11 +248,11 @@ def _scan_fwd_fast_and_warm(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tenso
     return out
 
 
-def _scan_bwd_fast_after_helper(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor,
+def _scan_bwd_fast_noting_helper(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor,
                                 grad_y: Tensor, grad_last: Tensor, half_dot: bool,
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fast backward; its first call waits for the helper compiling its kernels, if one still is."""
-    kernel_prewarm.await_helpers("m2rnn_scan_fast_bwd")
+    """The fast backward; its first call notes whether the helper compiling its kernels was done."""
+    kernel_prewarm.note_helpers("m2rnn_scan_fast_bwd")
     return m2rnn_triton_fast.scan_bwd_fast(q, k, v, f, W, states, grad_y, grad_last, half_dot)
 
 
@@ -263,7 +263,7 @@ if m2rnn_triton is not None:
     _scan_fast_fwd.register_kernel("cuda")(
         m2rnn_triton_fast.with_fallback(_scan_fwd_fast_and_warm, _scan_fast_fwd_reference))
     _scan_fast_bwd.register_kernel("cuda")(
-        m2rnn_triton_fast.with_fallback(_scan_bwd_fast_after_helper, _scan_fast_bwd_reference))
+        m2rnn_triton_fast.with_fallback(_scan_bwd_fast_noting_helper, _scan_fast_bwd_reference))
 
 
 def uses_fast_scan(device_type: str, dtype: torch.dtype, dk: int, dv: int) -> bool:

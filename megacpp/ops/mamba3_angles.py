@@ -350,7 +350,7 @@ if triton is not None:
     def _bwd_cuda(rate: Tensor, dt: Tensor, start_offsets: Tensor | None, grad: Tensor) -> tuple[Tensor, Tensor]:
         if unsupported_reason(rate, dt, start_offsets, grad) is not None:
             return document_angles_bwd_reference(rate, dt, start_offsets, grad)
-        kernel_prewarm.await_helpers("mamba3_document_angles_bwd")  # its first call: the helper's kernel
+        kernel_prewarm.note_helpers("mamba3_document_angles_bwd")  # for the first step's log
         return document_angles_bwd_triton(rate, dt, start_offsets, grad)
 
     _angles_fwd.register_kernel("cuda")(_fwd_cuda)

@@ -195,8 +195,8 @@ def _fused_bwd(
     grad_final: Tensor | None, chunk_size: int, matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the forward's eleven tensor inputs and of its initial state (fp32), contiguous. The
-    first call waits for the helper compiling its kernels, if one still is."""
-    kernel_prewarm.await_helpers("mamba3_fused_bwd")
+    first call notes whether the helper compiling its kernels was done (`kernel_prewarm.note_helpers`)."""
+    kernel_prewarm.note_helpers("mamba3_fused_bwd")
     return _kernels().fused_bwd(x, z, B, C, B_bias, C_bias, theta, log_decay, sigma, gamma, D, states, y_pre,
                                 grad_y, grad_final, chunk_size, matmul_dtype)
 
