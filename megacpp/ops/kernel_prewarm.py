@@ -142,7 +142,7 @@ def note_helpers(op: str) -> None:
 
 def outcomes() -> str | None:
     """One line on what each prewarmed op's first backward found, e.g. ``kernel prewarm: m2rnn_scan_fast_bwd
-    still compiling: compiled in the trainer, mamba3_fused_bwd ready``; None when no backward has run."""
+    still compiling when its backward began, mamba3_fused_bwd ready``; None when no backward has run."""
     if not _outcomes:
         return None
     return "kernel prewarm: " + ", ".join(f"{name} {what}" for name, what in _outcomes.items())
@@ -157,7 +157,7 @@ def _outcome(helpers: list[subprocess.Popen]) -> str:
     """ready (every helper done before the backward) or still compiling; and failed helpers, whose logs lie
     beside their spec files."""
     codes = [helper.poll() for helper in helpers]
-    what = "still compiling: compiled in the trainer" if None in codes else "ready"
+    what = "still compiling when its backward began" if None in codes else "ready"
     failed = sum(code not in (None, 0) for code in codes)
     if failed:
         what += f" ({failed} helper(s) failed: see megacpp-kernel-prewarm-*.log in {tempfile.gettempdir()})"
