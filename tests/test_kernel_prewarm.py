@@ -89,7 +89,6 @@ def test_tier1_one_helper_per_layout_and_at_most_max_keys(monkeypatch, tmp_path)
     monkeypatch.setattr(kernel_prewarm, "_start", lambda spec, where: started.append((spec, where)) or _Helper())
     monkeypatch.setattr(kernel_prewarm, "_submitted", {})
     monkeypatch.setattr(kernel_prewarm, "_per_name", {})
-    monkeypatch.setattr(kernel_prewarm, "_unnoted", {})
 
     def describe():
         described.append(1)
@@ -113,8 +112,9 @@ def _started(monkeypatch, helpers_by_name):
     """Helpers as `warm_in_background` registers them, by prewarm name, in fresh module state."""
     monkeypatch.setattr(kernel_prewarm, "enabled", lambda device: True)
     monkeypatch.setattr(kernel_prewarm, "_shared_triton_cache_dir", lambda index: "unused")
-    for name in ("_submitted", "_per_name", "_unnoted", "_outcomes"):
+    for name in ("_submitted", "_per_name", "_outcomes"):
         monkeypatch.setattr(kernel_prewarm, name, {})
+    monkeypatch.setattr(kernel_prewarm, "_noted", set())
     for name, helpers in helpers_by_name.items():
         for i, helper in enumerate(helpers):
             monkeypatch.setattr(kernel_prewarm, "_start", lambda spec, where, helper=helper: helper)

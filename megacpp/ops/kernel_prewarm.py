@@ -49,7 +49,7 @@ MAX_KEYS = 4  # layouts prewarmed per op and process: training's, and a few more
 _lock = threading.Lock()
 _submitted: dict[Hashable, subprocess.Popen | None] = {}  # by (op name, layout)
 _per_name: dict[Hashable, int] = {}  # layouts submitted per op name
-_unnoted: dict[str, list[subprocess.Popen]] = {}  # helpers no backward has looked at yet, by op name
+_noted: set[str] = set()  # ops whose first backward has looked at their helpers
 _outcomes: dict[str, str] = {}  # what each op's first backward found, by the op's name
 
 
@@ -122,22 +122,20 @@ def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: 
                       RuntimeWarning, stacklevel=2)
         return None
     _submitted[key] = helper
-    with _lock:
-        _unnoted.setdefault(_display(name), []).append(helper)
     return helper
 
 
 def note_helpers(op: str) -> None:
     """At a backward of `op` (the first item of the name its forward prewarmed under), before its launches:
     note for `outcomes` whether the helpers compiling its kernels are done. One still compiling is not
-    waited for (see the module's note). Free once they have been seen through (a dict lookup), so the
+    waited for (see the module's note). Only the first call looks; later ones are a set lookup, so the
     ops call it at every backward."""
-    if op not in _unnoted:
+    if op in _noted:
         return
-    with _lock:
-        helpers = _unnoted.pop(op, [])
+    _noted.add(op)
+    helpers = [helper for (name, _), helper in list(_submitted.items()) if helper is not None and _display(name) == op]
     if helpers:
-        _outcomes.setdefault(op, _outcome(helpers))
+        _outcomes[op] = _outcome(helpers)
 
 
 def outcomes() -> str | None:
