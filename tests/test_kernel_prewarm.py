@@ -11,15 +11,20 @@ import time
 
 import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megacpp.ops import kernel_prewarm, mamba3_triton
 
 
 def _spec(value):
     """What Triton specializes a launch argument on: a tensor's dtype and 16-byte alignment (its shape and
-    strides enter as the integer arguments), an integer's value."""
+    strides enter as the integer arguments), a tensor descriptor's dtype and tile (its tensor's layout is
+    part of the launch, as for a tensor) and an integer's value."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, value.data_ptr() % 16)
+    if isinstance(value, TensorDescriptor):
+        return ("descriptor", value.base.dtype, tuple(value.block_shape), tuple(value.shape), tuple(value.strides),
+                value.base.data_ptr() % 16)
     return value
 
 
@@ -168,8 +173,7 @@ def test_tier1_a_described_launch_comes_back_as_the_same_specialization():
     for launch in mamba3_triton.backward_launches(*inputs, chunk, torch.bfloat16):
         plain = pickle.loads(pickle.dumps(kernel_prewarm.describe_launch(launch)))
         kernel = getattr(importlib.import_module(plain["module"]), plain["name"])
-        rebuilt = [kernel_prewarm._meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a
-                   for a in plain["args"]]
+        rebuilt = [kernel_prewarm.rebuild_arg(a) for a in plain["args"]]
         assert kernel is launch.kernel and plain["grid"] == launch.grid and plain["meta"] == launch.meta
         assert [_spec(a) for a in rebuilt] == [_spec(a) for a in launch.args]
         assert [a.stride() for a in rebuilt if isinstance(a, torch.Tensor)] == [

@@ -396,3 +396,22 @@ def test_tier1_scan_kernel_setting_is_checked():
     cfg = apply_overrides(cfg, [("model.mamba.chunk_size", "48")])
     with pytest.raises(ConfigError, match="chunk_size must be one of"):
         validate_config(cfg)
+
+
+def test_tier1_a_descriptor_copies_only_layouts_that_tma_cannot_read():
+    """`mamba3_triton._descriptor`: TMA needs a 16-byte aligned base and 16-byte aligned strides (all but the
+    last). An aligned view is described in place; a view at an odd offset or with odd row strides is
+    described over an aligned copy holding the same values, with the view's shape."""
+    from megacpp.ops import mamba3_triton
+
+    aligned = torch.randn(2, 5, 3, 16)
+    desc = mamba3_triton._descriptor(aligned, [1, 4, 1, 16])
+    assert desc.base.data_ptr() == aligned.data_ptr() and list(desc.strides) == list(aligned.stride())
+    at_offset = torch.randn(1 + 2 * 5 * 3 * 16)[1:].view(2, 5, 3, 16)
+    narrow_rows = torch.randn(2, 7, 13, dtype=torch.bfloat16)[..., :12]  # rows of 26 bytes
+    for view, block in ((at_offset, [1, 4, 1, 16]), (narrow_rows, [1, 4, 8])):
+        desc = mamba3_triton._descriptor(view, block)
+        size = view.element_size()
+        assert desc.base.data_ptr() != view.data_ptr() and desc.base.data_ptr() % 16 == 0
+        assert all(step * size % 16 == 0 for step in desc.strides[:-1]) and desc.strides[-1] == 1
+        assert list(desc.shape) == list(view.shape) and torch.equal(desc.base, view)

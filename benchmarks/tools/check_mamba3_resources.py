@@ -10,10 +10,11 @@ For every preset's M-mixer sizes (B --batch x T --seq) and operand mode it runs 
 `fused_bwd` (megacpp/ops/mamba3_triton.py) on meta tensors laid out as the mixer hands them over (x and
 z strided views of the in_proj output), with a `launch` that records each kernel launch instead of
 running it. Each launch's arguments are then specialized as Triton's launcher does (tensors as typed
-pointers, 16-byte aligned where their offset is; integers as i32/i64, marked divisible by 16 where
-they are; integers equal to 1 as constants), compiled for the target by the installed Triton, and
-measured: shared memory from the compiled kernel's metadata, registers per thread and spill bytes from
-`ptxas -v` as Triton's own backend runs it (same ptxas, same flags) on the kernel's PTX. Spills of a
+pointers, 16-byte aligned where their offset is; tensor descriptors by dtype and tile; integers as
+i32/i64, marked divisible by 16 where they are; integers equal to 1 as constants), compiled for the
+target by the installed Triton, and measured: shared memory from the compiled kernel's metadata,
+registers per thread and spill bytes from `ptxas -v` as Triton's own backend runs it (same ptxas, same
+flags) on the kernel's PTX. Spills of a
 kernel launched with a register cap (`Tiling.max_registers`) are reported but not counted: the cap
 trades them for more programs per SM, and was timed that way.
 
@@ -41,6 +42,8 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megacpp.model.mamba3 import Mamba3
 from megacpp.ops import mamba3_triton
@@ -100,6 +103,8 @@ def specialize(launch: Launch) -> tuple[dict, dict, dict]:
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[value.dtype]
             aligned = value.storage_offset() * value.element_size() % 16 == 0  # allocations are aligned
+        elif isinstance(value, TensorDescriptor):
+            signature[name], aligned = mangle_type(value), False  # tensordesc<dtype[tile]>
         elif isinstance(value, bool):
             signature[name], aligned = "i1", False
         elif isinstance(value, int):

@@ -43,6 +43,11 @@ from typing import Any
 
 import torch
 
+try:  # launches hold descriptors only where their kernels run, hence where triton is installed
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 ENV_SWITCH = "MEGACPP_KERNEL_PREWARM"
 MAX_KEYS = 4  # layouts prewarmed per op and process: training's, and a few more (an eval batch of another size)
 
@@ -87,14 +92,33 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return _meta_tensor(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    return ("tensor", tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+
+
+def _describe_arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return _layout(a)
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        return ("descriptor", _layout(a.base), list(a.shape), list(a.strides), list(a.block_shape))
+    return a
+
+
 def describe_launch(launch: Launch) -> dict[str, Any]:
     """A launch as plain data for the helper: the kernel by module and name, each tensor argument by
-    layout."""
+    layout, each tensor descriptor by its tensor's layout and its own shape, strides and tile."""
     fn = launch.kernel.fn
-    args = [("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype) if isinstance(a, torch.Tensor)
-            else a for a in launch.args]
-    return {"module": fn.__module__, "name": fn.__name__, "grid": tuple(launch.grid), "args": args,
-            "meta": dict(launch.meta)}
+    return {"module": fn.__module__, "name": fn.__name__, "grid": tuple(launch.grid),
+            "args": [_describe_arg(a) for a in launch.args], "meta": dict(launch.meta)}
+
+
+def rebuild_arg(a: Any) -> Any:
+    """A described argument as the helper passes it to the kernel: meta tensors of the same layouts."""
+    if isinstance(a, tuple) and a[:1] == ("tensor",):
+        return _meta_tensor(*a[1:])
+    if isinstance(a, tuple) and a[:1] == ("descriptor",):
+        return TensorDescriptor(_meta_tensor(*a[1][1:]), *a[2:])
+    return a
 
 
 def warm_in_background(name: Hashable, tensors: Sequence[torch.Tensor], device: torch.device,
@@ -212,8 +236,7 @@ def _meta_tensor(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, d
 def _warm(launch: dict[str, Any], device: int) -> None:
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     torch.cuda.set_device(device)  # Triton compiles for the thread's current device
-    args = [_meta_tensor(*a[1:]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch["args"]]
-    compiled = kernel.warmup(*args, grid=launch["grid"], **launch["meta"])
+    compiled = kernel.warmup(*map(rebuild_arg, launch["args"]), grid=launch["grid"], **launch["meta"])
     # Triton builds a kernel's launcher (a C module per signature in some versions, cached on disk beside the
     # kernels) and loads it at the first launch: do that here too. `_init_handles` is Triton's own lazy
     # step; where a version lacks it, the trainer's first launch does it, as without the prewarm.

@@ -48,7 +48,9 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   columns' parts of dL/dq (q: the decay from the entering state) and of dL/dqL (the gradient of each
   chunk's whole decay); `_bwd_chunk_kernel` (c, b·h) writes the gradients of x, the decays, σ, γ and D
   and stores dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases'
-  parts of each head of the group, and dB, dC summed over those heads in order. The chunk kernel is
+  parts of each head of the group, and dB, dC summed over those heads in order, its tiles moved by
+  tensor descriptors (TMA on Hopper; the interpreter runs them too), the only kernel that uses them:
+  the chains on descriptors were faster alone and not in the mixer (X1). The chunk kernel is
   register-bound: the terms that need the entering state or the gate's inputs are computed where those
   are at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
@@ -64,6 +66,7 @@ launch; that module imports without triton).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -73,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megacpp.ops import kernel_prewarm
 from megacpp.ops.kernel_prewarm import Launch, run_launch
@@ -128,11 +132,17 @@ def _biased(ptr, row_off, bias_ptr, cols, mask, cmask):
 
 
 @triton.jit
+def _rotate_pairs(v, cos, sin, R: tl.constexpr, KB: tl.constexpr):
+    """The (R, 2 KB) tile v with its column pairs rotated by the angles."""
+    even, odd = _split_pairs(v, R, KB)
+    return _join_pairs(even * cos - odd * sin, even * sin + odd * cos, R, KB)
+
+
+@triton.jit
 def _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexpr, KB: tl.constexpr):
     """(R, 2 KB) tile of (v + bias) with its column pairs rotated by the angles; 0 where masked."""
     v = _load_rows(ptr, row_off, cols, mask) + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
-    even, odd = _split_pairs(v, R, KB)
-    return tl.where(mask, _join_pairs(even * cos - odd * sin, even * sin + odd * cos, R, KB), 0.0)
+    return tl.where(mask, _rotate_pairs(v, cos, sin, R, KB), 0.0)
 
 
 @triton.jit
@@ -540,11 +550,10 @@ def _bwd_chunk_kernel(
 
 @triton.jit
 def _bwd_bc_kernel(
-    x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
-    states_ptr, gstates_ptr, dy_ptr, dcb_ptr,
+    x_desc, B_desc, C_desc, Bb_ptr, Cb_ptr, th_desc, ld_ptr, sig_ptr,
+    S_desc, G_desc, dy_desc, dcb_desc,
     gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr,
     T, H, REP, NC,
-    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -555,46 +564,47 @@ def _bwd_bc_kernel(
     dC = dL/d(C Bᵀ) B + diag(q) dy S, dB = dL/d(C Bᵀ)ᵀ C + diag(eσ) x G (rotated; then unrotated).
     Columns are independent here, so the state dimension is spread over the grid. Summing the heads
     here rather than after the launch saves writing and reading back per-head fp32 gradients of B and C
-    (2 x 400 MB per `small` M layer): the backward's kernels take 4.30 ms against 4.62 on an H200."""
+    (2 x 400 MB per `small` M layer): the backward's kernels take 4.30 ms against 4.62 on an H200.
+    The tiles (x, dy, B, C, the angles, S, G, dL/d(C Bᵀ)) arrive by tensor descriptors (TMA on Hopper), which
+    load into shared memory without registers, so the next head's loads are in flight during this one's
+    products: at `small` on an H100 1.01 ms alone against 1.25 with pointer loads (X3)."""
     k0 = tl.program_id(0) * 2 * KB
     # Columns past the rotated pairs do not rotate: their programs skip the angles, the rotations and the
     # angle gradients (half of the programs at `small`, where 32 of 64 pairs rotate: 1.24 -> 1.07 ms on an
     # H200), in a compile-time specialization of their own.
     if k0 // 2 < NA:
-        _bc_heads(x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, gstates_ptr, dy_ptr,
-                  dcb_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
-                  sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, True)
+        _bc_heads(x_desc, B_desc, C_desc, Bb_ptr, Cb_ptr, th_desc, ld_ptr, sig_ptr, S_desc, G_desc, dy_desc,
+                  dcb_desc, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
+                  P, N, NA, L, PB, KB, MM, PREC, True)
     else:
-        _bc_heads(x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr, states_ptr, gstates_ptr, dy_ptr,
-                  dcb_ptr, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
-                  sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, False)
+        _bc_heads(x_desc, B_desc, C_desc, Bb_ptr, Cb_ptr, th_desc, ld_ptr, sig_ptr, S_desc, G_desc, dy_desc,
+                  dcb_desc, gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr, k0, T, H, REP, NC,
+                  P, N, NA, L, PB, KB, MM, PREC, False)
 
 
 @triton.jit
 def _bc_heads(
-    x_ptr, B_ptr, C_ptr, Bb_ptr, Cb_ptr, th_ptr, ld_ptr, sig_ptr,
-    states_ptr, gstates_ptr, dy_ptr, dcb_ptr,
+    x_desc, B_desc, C_desc, Bb_ptr, Cb_ptr, th_desc, ld_ptr, sig_ptr,
+    S_desc, G_desc, dy_desc, dcb_desc,
     gB_ptr, gC_ptr, gBb_ptr, gCb_ptr, gth_ptr,
     k0, T, H, REP, NC,
-    sx_b, sx_t, sx_h, sB_b, sB_t, sB_g, sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """`_bwd_bc_kernel`'s program from column k0 on; ROTATE: whether these columns hold rotated pairs."""
+    """`_bwd_bc_kernel`'s program from column k0 on; ROTATE: whether these columns hold rotated pairs. A
+    descriptor's tile reads zeros past its tensor's end (the last chunk's rows, head_dim's padding)."""
     c = tl.program_id(1)
     pid = tl.program_id(2)
     G = H // REP
     gp = pid % G
-    bi = (pid // G).to(tl.int64)
+    row = pid // G  # the batch row, as a descriptor coordinate (int32)
+    bi = row.to(tl.int64)
     rows, rows_p, pmask, t, valid = _chunk_rows(c, T, P, L, PB)
-    vmask_p = valid[:, None] & pmask[None, :]
+    t0 = c * L
     cols = k0 + tl.arange(0, 2 * KB)
     cmask = cols < N
     vmask_n = valid[:, None] & cmask[None, :]
-    smask = pmask[:, None] & cmask[None, :]
     pairs = k0 // 2 + tl.arange(0, KB)
-    B_row = bi * sB_b + t * sB_t + gp * sB_g
-    C_row = bi * sC_b + t * sC_t + gp * sC_g
     grad_B = tl.zeros((L, 2 * KB), dtype=tl.float32)
     grad_C = tl.zeros((L, 2 * KB), dtype=tl.float32)
     for r in range(REP):
@@ -603,15 +613,28 @@ def _bc_heads(
         tok = (bi * T + t) * H + hd
         _, _, q, e, _, _ = _chunk_decays(ld_ptr, tok, valid, L)
         es = e * tl.load(sig_ptr + tok, mask=valid, other=0.0)
-        x = _load_rows(x_ptr, bi * sx_b + t * sx_t + hd * sx_h, rows_p, vmask_p)
-        dy = _load_rows(dy_ptr, tok * P, rows_p, vmask_p)
-        dcb = tl.load(dcb_ptr + (bh * NC + c) * L * L + rows[:, None] * L + rows[None, :])  # operands' dtype
-        state = (bh * NC + c) * P * N + rows_p * N
-        cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
-        cr = _block_tile(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
-        br = _block_tile(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, ROTATE)
-        s = _load_rows(states_ptr, state, cols, smask)
-        g = _load_rows(gstates_ptr, state, cols, smask)
+        x = x_desc.load([row, t0, hd, 0]).reshape(L, PB).to(tl.float32)
+        dy = dy_desc.load([row, t0, hd, 0]).reshape(L, PB).to(tl.float32)
+        slot = (row * H + hd) * NC + c
+        dcb = dcb_desc.load([slot, 0, 0]).reshape(L, L)  # operands' dtype
+        s = S_desc.load([slot, 0, k0]).reshape(PB, 2 * KB).to(tl.float32)
+        g = G_desc.load([slot, 0, k0]).reshape(PB, 2 * KB).to(tl.float32)
+        # The group's B and C tiles are the same for every head, reloaded for each (from L2): kept across
+        # the loop, two more fp32 tiles were live and spilled (150 bytes per thread at 32 pairs, X1).
+        cb = C_desc.load([row, t0, gp, k0]).reshape(L, 2 * KB).to(tl.float32)
+        cb += tl.load(Cb_ptr + hd * N + cols, mask=cmask, other=0.0)[None, :]
+        bb = B_desc.load([row, t0, gp, k0]).reshape(L, 2 * KB).to(tl.float32)
+        bb += tl.load(Bb_ptr + hd * N + cols, mask=cmask, other=0.0)[None, :]
+        if ROTATE:
+            theta = th_desc.load([row, t0, hd, k0 // 2]).reshape(L, KB)
+            cos = tl.cos(theta)
+            sin = tl.sin(theta)
+            cr = _rotate_pairs(cb, cos, sin, L, KB)
+            br = _rotate_pairs(bb, cos, sin, L, KB)
+        else:
+            cr, br = cb, bb
+        cr = tl.where(vmask_n, cr, 0.0)
+        br = tl.where(vmask_n, br, 0.0)
         # Taken transposed, so that the tiles shared by every column block are the second operands.
         gcr = tl.trans(_dot(tl.trans(br), tl.trans(dcb), MM, PREC) + _dot(tl.trans(s), tl.trans(dy), MM, PREC)
                        * q[None, :])
@@ -667,8 +690,11 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
       (3 programs per SM instead of 2; 40 bytes of spills), 0.50 against 0.65.
     - the dB/dC kernel, which walks a group's heads: 4 warps, 1.65 against 1.72 at 8 with bf16
       operands, and two stages (the next head's tiles load while this one's multiply), 1.29 against
-      1.44 with one and 2.40 with three. Register caps made it slower (168: 2.15). fp32 operands, not
-      timed, keep 8 warps and one stage: at 4 warps they would spill 3.2 KB.
+      1.44 with one and 2.40 with three. Register caps made it slower (168: 2.15). With its tiles on
+      tensor descriptors (H100, X3): 32 columns per block, 1.01 ms alone (26 bytes spilled) against 1.08
+      at 64 (74 bytes), 1.02 at three stages, 1.63 at 8 warps, 1.83 at 2; in the M sublayer 1.03 against
+      the pointer kernel's 1.14 (64 columns). fp32 operands, not timed, keep 64 columns, 8 warps and one
+      stage: at 4 warps they would spill 3.2 KB.
     - the chunk backward, 16-bit operands, chunks of 64: 8 warps capped at 128 registers (two programs
       per SM, each with twice the warps), 0.91–0.93 against 0.99 at 4 warps uncapped; 4 warps capped
       at 168 or 200: 2.47, 1.20. Other sizes keep 4 warps (8 with fp32 operands and chunks over 32).
@@ -699,7 +725,7 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
         "fwd_scan": Tiling(block_p, pairs, 8, max_registers=80 if capped else None),
         "bwd_states": Tiling(block_p, mid, 4, 3) if narrow else Tiling(block_p, pairs, 8),
         "bwd_chunk": chunk,
-        "bwd_bc": Tiling(block_p, mid, 4, 2) if narrow else Tiling(block_p, mid, 8),
+        "bwd_bc": Tiling(block_p, pairs, 4, 2) if narrow else Tiling(block_p, mid, 8),
     })
 
 
@@ -716,6 +742,18 @@ def dot_precision(device: torch.device) -> str:
     if not _has_tf32_cores(device):
         return "ieee"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
+def _descriptor(v: Tensor, block: list[int]) -> TensorDescriptor:
+    """A tensor descriptor of v's tiles of shape `block`. TMA needs the base and every stride but the last
+    16-byte aligned: where v's are not (odd sizes, views at odd offsets), the descriptor reads a copy of v
+    whose rows are padded to 16 bytes (a copy the mixer's layouts never need)."""
+    size = v.element_size()
+    if v.stride(-1) != 1 or v.data_ptr() % 16 or any(step * size % 16 for step in v.stride()[:-1]):
+        unit = 16 // math.gcd(16, size)
+        padded = v.new_empty((*v.shape[:-1], -(-v.shape[-1] // unit) * unit))
+        v = padded[..., :v.shape[-1]].copy_(v)
+    return TensorDescriptor(v, list(v.shape), list(v.stride()), block)
 
 
 def _rows_unit_stride(v: Tensor) -> Tensor:
@@ -841,10 +879,16 @@ def fused_bwd(
     grad_B_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     grad_C_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     bc = tiling["bwd_bc"]
+    L = chunk_size
+    head_tile, col_tile = [1, L, 1, bc.block_p], [1, L, 1, 2 * bc.block_pairs]  # of (b, t, heads or groups, -)
+    state_tile = [1, bc.block_p, 2 * bc.block_pairs]  # of (b * h * chunks, p, n)
+    slots = b * h * nc
     launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * g), (
-        x, B, C, B_bias, C_bias, theta, log_decay, sigma, states, grad_states, grad_pre, grad_cb,
-        grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta,
-        t, h, h // g, nc, *x.stride()[:3], *B.stride()[:3], *C.stride()[:3],
+        _descriptor(x, head_tile), _descriptor(B, col_tile), _descriptor(C, col_tile), B_bias, C_bias,
+        _descriptor(theta, [1, L, 1, bc.block_pairs]), log_decay, sigma,
+        _descriptor(states.view(slots, p, n), state_tile), _descriptor(grad_states.view(slots, p, n), state_tile),
+        _descriptor(grad_pre, head_tile), _descriptor(grad_cb.view(slots, L, L), [1, L, L]),
+        grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta, t, h, h // g, nc,
     ), _meta(bc, p, n, na, chunk_size, matmul_dtype, x.device)))
     # Fixed-order reductions (no atomics): batch and chunks for the per-head biases and D.
     return (
