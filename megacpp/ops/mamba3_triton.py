@@ -883,9 +883,10 @@ def fused_bwd(
     head_tile, col_tile = [1, L, 1, bc.block_p], [1, L, 1, 2 * bc.block_pairs]  # of (b, t, heads or groups, -)
     state_tile = [1, bc.block_p, 2 * bc.block_pairs]  # of (b * h * chunks, p, n)
     slots = b * h * nc
+    # With no rotated pairs no program reads the angles, but a descriptor needs a non-empty tensor.
     launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * g), (
         _descriptor(x, head_tile), _descriptor(B, col_tile), _descriptor(C, col_tile), B_bias, C_bias,
-        _descriptor(theta, [1, L, 1, bc.block_pairs]), log_decay, sigma,
+        _descriptor(theta if na else theta.new_zeros(1, 1, 1, 1), [1, L, 1, bc.block_pairs]), log_decay, sigma,
         _descriptor(states.view(slots, p, n), state_tile), _descriptor(grad_states.view(slots, p, n), state_tile),
         _descriptor(grad_pre, head_tile), _descriptor(grad_cb.view(slots, L, L), [1, L, L]),
         grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta, t, h, h // g, nc,
