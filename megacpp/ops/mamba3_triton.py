@@ -50,7 +50,7 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   and stores dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases'
   parts of each head of the group, and dB, dC summed over those heads in order, its tiles moved by
   tensor descriptors (TMA on Hopper; the interpreter runs them too), the only kernel that uses them:
-  the chains on descriptors were faster alone and not in the mixer (X1). The chunk kernel is
+  the forward chain on descriptors was faster alone and slower in the mixer (X1). The chunk kernel is
   register-bound: the terms that need the entering state or the gate's inputs are computed where those
   are at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
