@@ -249,8 +249,8 @@ def _scan_fwd_fast_and_warm(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tenso
 
 
 def _scan_bwd_fast_noting_helper(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states: Tensor,
-                                grad_y: Tensor, grad_last: Tensor, half_dot: bool,
-                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                 grad_y: Tensor, grad_last: Tensor, half_dot: bool,
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fast backward; its first call notes whether the helper compiling its kernels was done."""
     kernel_prewarm.note_helpers("m2rnn_scan_fast_bwd")
     return m2rnn_triton_fast.scan_bwd_fast(q, k, v, f, W, states, grad_y, grad_last, half_dot)

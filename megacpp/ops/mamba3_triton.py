@@ -125,13 +125,6 @@ def _join_pairs(even, odd, R: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
-def _biased(ptr, row_off, bias_ptr, cols, mask, cmask):
-    """(rows, cols) tile of v + bias; 0 where masked."""
-    v = _load_rows(ptr, row_off, cols, mask) + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
-    return tl.where(mask, v, 0.0)
-
-
-@triton.jit
 def _rotate_pairs(v, cos, sin, R: tl.constexpr, KB: tl.constexpr):
     """The (R, 2 KB) tile v with its column pairs rotated by the angles."""
     even, odd = _split_pairs(v, R, KB)
@@ -139,30 +132,42 @@ def _rotate_pairs(v, cos, sin, R: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
-def _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexpr, KB: tl.constexpr):
-    """(R, 2 KB) tile of (v + bias) with its column pairs rotated by the angles; 0 where masked."""
-    v = _load_rows(ptr, row_off, cols, mask) + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
-    return tl.where(mask, _rotate_pairs(v, cos, sin, R, KB), 0.0)
+def _no_angles(R: tl.constexpr, KB: tl.constexpr):
+    """cos and sin of zero angles: placeholders for blocks of columns that do not rotate, which nothing reads."""
+    return tl.full((R, KB), 1.0, tl.float32), tl.zeros((R, KB), dtype=tl.float32)
 
 
 @triton.jit
 def _block_angles(th_ptr, tok, valid, k0, NA: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
                   ROTATE: tl.constexpr):
-    """`_angles` where the block of columns from k0 on holds rotated pairs (ROTATE), else placeholders of
-    the same type that nothing reads."""
+    """`_angles` where the block of columns from k0 on holds rotated pairs (ROTATE), else `_no_angles`."""
     if ROTATE:
         return _angles(th_ptr, tok, valid, k0, NA, KB)
-    return tl.full((R, KB), 1.0, tl.float32), tl.zeros((R, KB), dtype=tl.float32)
+    return _no_angles(R, KB)
+
+
+@triton.jit
+def _bias_row(bias_ptr, cols, cmask):
+    """A head's bias over these columns, as a (1, columns) row."""
+    return tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+
+
+@triton.jit
+def _head_tile(v, cos, sin, mask, R: tl.constexpr, KB: tl.constexpr, ROTATE: tl.constexpr):
+    """A (R, 2 KB) fp32 tile of B or C with a head's bias added, its column pairs rotated by the angles where
+    the columns hold rotated pairs (ROTATE: columns past them skip the rotation, half of them at `small`,
+    where 32 of 64 pairs rotate); 0 where masked."""
+    if ROTATE:
+        v = _rotate_pairs(v, cos, sin, R, KB)
+    return tl.where(mask, v, 0.0)
 
 
 @triton.jit
 def _block_tile(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R: tl.constexpr, KB: tl.constexpr,
                 ROTATE: tl.constexpr):
-    """`_rotated` where the columns hold rotated pairs (ROTATE), else `_biased`: columns past the rotated
-    pairs skip the angles and the rotation (half of them at `small`, where 32 of 64 pairs rotate)."""
-    if ROTATE:
-        return _rotated(ptr, row_off, bias_ptr, cos, sin, cols, mask, cmask, R, KB)
-    return _biased(ptr, row_off, bias_ptr, cols, mask, cmask)
+    """`_head_tile` of the tile at ptr + row_off[:, None] + cols[None, :] plus the bias at bias_ptr."""
+    return _head_tile(_load_rows(ptr, row_off, cols, mask) + _bias_row(bias_ptr, cols, cmask), cos, sin, mask, R, KB,
+                      ROTATE)
 
 
 @triton.jit
@@ -502,8 +507,8 @@ def _bwd_chunk_kernel(
         vmask_n = valid[:, None] & cmask[None, :]
         smask = pmask[:, None] & cmask[None, :]
         cos, sin = _angles(th_ptr, tok, valid, k0, NA, KB)
-        cr = _rotated(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
-        br = _rotated(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB)
+        cr = _block_tile(C_ptr, C_row, Cb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, True)
+        br = _block_tile(B_ptr, B_row, Bb_ptr + hd * N, cos, sin, cols, vmask_n, cmask, L, KB, True)
         g = _load_rows(gstates_ptr, state, cols, smask)
         cb += _dot(cr, tl.trans(br), MM, PREC)
         bg += _dot(br, tl.trans(g), MM, PREC)
@@ -622,19 +627,16 @@ def _bc_heads(
         # The group's B and C tiles are the same for every head, reloaded for each (from L2): kept across
         # the loop, two more fp32 tiles were live and spilled (150 bytes per thread at 32 pairs, X1).
         cb = C_desc.load([row, t0, gp, k0]).reshape(L, 2 * KB).to(tl.float32)
-        cb += tl.load(Cb_ptr + hd * N + cols, mask=cmask, other=0.0)[None, :]
+        cb += _bias_row(Cb_ptr + hd * N, cols, cmask)
         bb = B_desc.load([row, t0, gp, k0]).reshape(L, 2 * KB).to(tl.float32)
-        bb += tl.load(Bb_ptr + hd * N + cols, mask=cmask, other=0.0)[None, :]
+        bb += _bias_row(Bb_ptr + hd * N, cols, cmask)
         if ROTATE:
             theta = th_desc.load([row, t0, hd, k0 // 2]).reshape(L, KB)
-            cos = tl.cos(theta)
-            sin = tl.sin(theta)
-            cr = _rotate_pairs(cb, cos, sin, L, KB)
-            br = _rotate_pairs(bb, cos, sin, L, KB)
+            cos, sin = tl.cos(theta), tl.sin(theta)
         else:
-            cr, br = cb, bb
-        cr = tl.where(vmask_n, cr, 0.0)
-        br = tl.where(vmask_n, br, 0.0)
+            cos, sin = _no_angles(L, KB)
+        cr = _head_tile(cb, cos, sin, vmask_n, L, KB, ROTATE)
+        br = _head_tile(bb, cos, sin, vmask_n, L, KB, ROTATE)
         # Taken transposed, so that the tiles shared by every column block are the second operands.
         gcr = tl.trans(_dot(tl.trans(br), tl.trans(dcb), MM, PREC) + _dot(tl.trans(s), tl.trans(dy), MM, PREC)
                        * q[None, :])
