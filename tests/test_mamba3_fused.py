@@ -54,8 +54,9 @@ TOL = 1e-4
 BF16_STORE = 2.0**-7
 # (b, t, h, g, p, n, n_angles, chunk, doc resets, initial state, x/z dtype): odd lengths and lengths
 # that do not divide the chunk, chunk sizes 16/32/64, g = 1 and 2, head_dim and d_state / 2 below the
-# 16-wide tiles (masked padding), full and partial rotation, t = 1, and d_state 256, which every kernel
-# walks or spreads over the grid in several column blocks.
+# 16-wide tiles (masked padding), full and partial rotation, t = 1, d_state 256, which every kernel
+# walks or spreads over the grid in several column blocks, and head_dim and d_state whose rows are not
+# a multiple of 16 bytes.
 CASES = [
     (2, 37, 2, 1, 16, 32, 8, 16, True, True, "float32"),
     (1, 50, 4, 2, 8, 32, 16, 32, True, False, "float32"),
@@ -65,6 +66,8 @@ CASES = [
     (2, 23, 2, 1, 16, 32, 8, 16, True, True, "bfloat16"),
     (1, 40, 2, 1, 16, 256, 16, 16, True, True, "float32"),
     (1, 19, 2, 1, 16, 32, 0, 16, True, False, "float32"),  # no rotated pairs: the op takes zero angles
+    # Rows of 40 and 72 bytes: TMA cannot read them, so the descriptors read padded copies (`_descriptor`).
+    (2, 21, 2, 1, 10, 18, 4, 16, True, True, "float32"),
 ]
 BF16_STORED = {"y", "x", "z"}  # the output and the gradients of x and z (their inputs are bf16)
 # Operands of the products in float16 (matmul_dtype; the interpreter's bf16 tl.dot is broken, fp16's is

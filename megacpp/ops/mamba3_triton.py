@@ -49,10 +49,10 @@ Kernels (programs over chunks c, batch rows b, heads h; "state" = (p, n) per chu
   chunk's whole decay); `_bwd_chunk_kernel` (c, b·h) writes the gradients of x, the decays, σ, γ and D
   and stores dL/d(C Bᵀ) per chunk; `_bwd_bc_kernel` (column block, c, b·group) writes dΘ and the biases'
   parts of each head of the group, and dB, dC summed over those heads in order, its tiles moved by
-  tensor descriptors (TMA on Hopper; the interpreter runs them too), the only kernel that uses them:
-  the forward chain on descriptors was faster alone and slower in the mixer (X1). The chunk kernel is
-  register-bound: the terms that need the entering state or the gate's inputs are computed where those
-  are at hand.
+  tensor descriptors (TMA on Hopper; the interpreter runs them too), as are the reverse chain's loads;
+  the forward chain on descriptors was faster alone and slower in the mixer (X1), so it keeps pointers.
+  The chunk kernel is register-bound: the terms that need the entering state or the gate's inputs are
+  computed where those are at hand.
 The biases' and D's gradients are per-chunk partials summed over batch and chunks in PyTorch afterwards,
 in a fixed order: no atomics anywhere, so every result is run-to-run deterministic.
 
@@ -389,9 +389,8 @@ def _gate_bwd_kernel(gy_ptr, z_ptr, ypre_ptr, dy_ptr, gz_ptr, T, H, ROWS, sz_b, 
 
 @triton.jit
 def _bwd_states_kernel(
-    C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
+    C_desc, Cb_ptr, th_desc, ld_ptr, dy_desc, S_desc, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
     T, H, REP, NC,
-    sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr, HAS_FINAL: tl.constexpr,
 ):
@@ -402,44 +401,53 @@ def _bwd_states_kernel(
     dL/dq_t = dy_t · (S C_t) and of dL/dqL = Σ G ⊙ S (S: the state entering the chunk, G: the gradient
     of its exit state), in the column block's slots of `dq` (column blocks, b, t, h) and `dqL`
     (b, h, chunks, column blocks), for `_bwd_chunk_kernel`'s log-decay gradient: this kernel has C, dy
-    and S at hand, where the chunk kernel is register-bound. dy is `_gate_bwd_kernel`'s."""
+    and S at hand, where the chunk kernel is register-bound. dy is `_gate_bwd_kernel`'s.
+    C, the angles, dy and S arrive by tensor descriptors, as in `_bwd_bc_kernel`: the next chunks' tiles
+    load into shared memory without holding registers while this one's products run (the M sublayer at
+    `small` on an H100: 5.68-5.70 ms of device time against 5.75-5.76 with pointer loads, I2)."""
     k0 = tl.program_id(0) * 2 * KB
     if k0 // 2 < NA:  # columns past the rotated pairs skip the angles, as in `_fwd_states_kernel`
-        _bwd_chain(C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
-                   dqL_ptr, T, H, REP, NC, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, True)
+        _bwd_chain(C_desc, Cb_ptr, th_desc, ld_ptr, dy_desc, S_desc, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
+                   dqL_ptr, T, H, REP, NC, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, True)
     else:
-        _bwd_chain(C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
-                   dqL_ptr, T, H, REP, NC, sC_b, sC_t, sC_g, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, False)
+        _bwd_chain(C_desc, Cb_ptr, th_desc, ld_ptr, dy_desc, S_desc, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr,
+                   dqL_ptr, T, H, REP, NC, P, N, NA, L, PB, KB, MM, PREC, HAS_FINAL, False)
 
 
 @triton.jit
 def _bwd_chain(
-    C_ptr, Cb_ptr, th_ptr, ld_ptr, dy_ptr, states_ptr, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
+    C_desc, Cb_ptr, th_desc, ld_ptr, dy_desc, S_desc, gfinal_ptr, gstates_ptr, ginit_ptr, dq_ptr, dqL_ptr,
     T, H, REP, NC,
-    sC_b, sC_t, sC_g,
     P: tl.constexpr, N: tl.constexpr, NA: tl.constexpr, L: tl.constexpr, PB: tl.constexpr, KB: tl.constexpr,
     MM: tl.constexpr, PREC: tl.constexpr, HAS_FINAL: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """`_bwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs."""
+    """`_bwd_states_kernel`'s program; ROTATE: whether its columns hold rotated pairs. A descriptor's tile
+    reads zeros past its tensor's end (the last chunk's rows, head_dim's padding)."""
     k0, hd, bi, gp, cols, cmask, rows_p, pmask, tile, smask = _state_program(T, H, REP, N, P, PB, KB)
+    row = tl.program_id(1) // H  # the batch row, as a descriptor coordinate (int32)
     bh = bi * H + hd
     v = _chain_start(gfinal_ptr, bh, tile, smask, HAS_FINAL, P, N, PB, KB)
     dq_block = dq_ptr + tl.program_id(0) * (tl.num_programs(1).to(tl.int64) * T)
     for i in range(NC):
         c = NC - 1 - i
-        t = c * L + tl.arange(0, L)
+        t0 = c * L
+        t = t0 + tl.arange(0, L)
         valid = t < T
         tok = (bi * T + t) * H + hd
         _, _, q, _, qL, _ = _chunk_decays(ld_ptr, tok, valid, L)
-        dy = _load_rows(dy_ptr, tok * P, rows_p, valid[:, None] & pmask[None, :])
-        cos, sin = _block_angles(th_ptr, tok, valid, k0, NA, L, KB, ROTATE)
-        cr = _block_tile(C_ptr, bi * sC_b + t * sC_t + gp * sC_g, Cb_ptr + hd * N, cos, sin, cols,
-                         valid[:, None] & cmask[None, :], cmask, L, KB, ROTATE)
-        slot = (bh * NC + c) * P * N + tile
-        s = tl.load(states_ptr + slot, mask=smask, other=0.0).to(tl.float32)
+        dy = dy_desc.load([row, t0, hd, 0]).reshape(L, PB).to(tl.float32)
+        if ROTATE:
+            theta = th_desc.load([row, t0, hd, k0 // 2]).reshape(L, KB)
+            cos, sin = tl.cos(theta), tl.sin(theta)
+        else:
+            cos, sin = _no_angles(L, KB)
+        cb = C_desc.load([row, t0, gp, k0]).reshape(L, 2 * KB).to(tl.float32) + _bias_row(Cb_ptr + hd * N, cols, cmask)
+        cr = _head_tile(cb, cos, sin, valid[:, None] & cmask[None, :], L, KB, ROTATE)
+        slot_index = (row * H + hd) * NC + c
+        s = tl.trans(S_desc.load([slot_index, 0, k0]).reshape(PB, 2 * KB)).to(tl.float32)
         readout = _dot(cr, s, MM, PREC)  # S C_t, these columns
         tl.store(dq_block + tok, tl.sum(dy * readout, 1), mask=valid)
-        tl.store(gstates_ptr + slot, v.to(gstates_ptr.dtype.element_ty), mask=smask)
+        tl.store(gstates_ptr + (bh * NC + c) * P * N + tile, v.to(gstates_ptr.dtype.element_ty), mask=smask)
         tl.store(dqL_ptr + (bh * NC + c) * tl.num_programs(0) + tl.program_id(0), tl.sum(tl.sum(v * s, 1), 0))
         # q scales C, not the stored dy, so that each term rounds twice (C q, dy), as the other products.
         v = qL * v + _dot(tl.trans(cr * q[:, None]), dy, MM, PREC)
@@ -704,8 +712,9 @@ def tilings(head_dim: int, d_state: int, chunk_size: int, matmul_dtype: torch.dt
       forward / backward): the forward's 64 columns per program, 8 warps, three stages, 0.83 (32
       columns at 4 warps: 1.05; 8 warps with two stages: 0.85, four: 1.02). The backward's chain, in
       the mixer, with the gate's gradients in a kernel of their own: 64 columns, 4 warps, three stages,
-      0.59–0.60 ms (two stages 0.62; 8 warps 0.66; 128 columns at 8 warps 0.62; 32 columns 0.60–0.66).
-      Splitting head_dim over programs instead was slower in both directions (0.86–1.55, 3.30–4.38).
+      0.59–0.60 ms (two stages 0.62; 8 warps 0.66; 128 columns at 8 warps 0.62; 32 columns 0.60–0.66),
+      timed with pointer loads and kept for its tensor descriptors (not swept again). Splitting head_dim
+      over programs instead was slower in both directions (0.86–1.55, 3.30–4.38).
       fp32 operands, not timed, take 32 columns and 4 warps forward, 8 backward (no spills at `small`
       and `nam52`)."""
     # At least 32 rows of head_dim per tile: at 16 (head_dim 16, fp32 operands, chunks of 64) Triton 3.6's
@@ -861,9 +870,15 @@ def fused_bwd(
     launch(Launch(_gate_bwd_kernel, (triton.cdiv(rows, GATE_ROWS),), (
         grad_y, z, y_pre, grad_pre, grad_z, t, h, rows, *z.stride()[:3],
     ), dict(P=p, PB=st.block_p, R=GATE_ROWS, num_warps=GATE_WARPS)))
+    L = chunk_size
+    slots = b * h * nc
+    # With no rotated pairs no program reads the angles, but a descriptor needs a non-empty tensor.
+    angles = theta if na else theta.new_zeros(1, 1, 1, 1)
     launch(Launch(_bwd_states_kernel, (blocks, b * h), (
-        C, C_bias, theta, log_decay, grad_pre, states, gfinal, grad_states, grad_init, grad_q_parts, grad_qL_parts,
-        t, h, h // g, nc, *C.stride()[:3],
+        _descriptor(C, [1, L, 1, 2 * st.block_pairs]), C_bias, _descriptor(angles, [1, L, 1, st.block_pairs]),
+        log_decay, _descriptor(grad_pre, [1, L, 1, st.block_p]),
+        _descriptor(states.view(slots, p, n), [1, st.block_p, 2 * st.block_pairs]),
+        gfinal, grad_states, grad_init, grad_q_parts, grad_qL_parts, t, h, h // g, nc,
     ), dict(_meta(st, p, n, na, chunk_size, matmul_dtype, x.device), HAS_FINAL=grad_final is not None)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grad_ld, grad_sig, grad_gam = (torch.empty_like(v, dtype=f32) for v in (log_decay, sigma, gamma))
@@ -881,14 +896,11 @@ def fused_bwd(
     grad_B_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     grad_C_bias_parts = x.new_empty(b, h, nc, n, dtype=f32)
     bc = tiling["bwd_bc"]
-    L = chunk_size
     head_tile, col_tile = [1, L, 1, bc.block_p], [1, L, 1, 2 * bc.block_pairs]  # of (b, t, heads or groups, -)
     state_tile = [1, bc.block_p, 2 * bc.block_pairs]  # of (b * h * chunks, p, n)
-    slots = b * h * nc
-    # With no rotated pairs no program reads the angles, but a descriptor needs a non-empty tensor.
     launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * g), (
         _descriptor(x, head_tile), _descriptor(B, col_tile), _descriptor(C, col_tile), B_bias, C_bias,
-        _descriptor(theta if na else theta.new_zeros(1, 1, 1, 1), [1, L, 1, bc.block_pairs]), log_decay, sigma,
+        _descriptor(angles, [1, L, 1, bc.block_pairs]), log_decay, sigma,
         _descriptor(states.view(slots, p, n), state_tile), _descriptor(grad_states.view(slots, p, n), state_tile),
         _descriptor(grad_pre, head_tile), _descriptor(grad_cb.view(slots, L, L), [1, L, L]),
         grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta, t, h, h // g, nc,
