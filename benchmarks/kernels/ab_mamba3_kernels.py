@@ -9,7 +9,9 @@ tree's while that variant is timed (the compiled graph calls the ops `megacpp::m
 which look the kernels' module up at each call, so one compile serves every variant). Rounds alternate the
 variants, so a drift of the GPU's clock reaches all of them. Device time (`timing.device_ms`), B16 × T2048,
 512-token documents, bf16 autocast. --check first runs bench_mamba3's float64 check of this tree's
-kernels; --profile adds each variant's Triton kernels, device ms per step. Prints a table last.
+kernels; --profile adds each variant's Triton kernels, device ms per step. The variants' table prints as
+soon as their rounds end, the profile and mamba_ssm's layer after it: mamba_ssm's kernels autotune at
+their first call, and two H100 calls limited to 170 and 240 s ended before it (BENCHMARKS.md, I2, I3).
 """
 from __future__ import annotations
 
@@ -103,36 +105,34 @@ def main() -> None:
             use(functions)
             times[name].append(device_ms(step, dev, warmup=2, iters=args.iters))
             print(f"round {rnd} {name}: {times[name][-1]:.3f} ms", flush=True)
-    kernels = {}
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | M sublayer, B{b} x T{t}, "
+          "512-token documents, device ms", flush=True)
+    for name, values in times.items():
+        print(f"{name:<14} median {statistics.median(values):.3f}  rounds {' '.join(f'{v:.3f}' for v in values)}",
+              flush=True)
     if args.profile:
+        kernels = {}
         for name, functions in variants.items():
             use(functions)
             kernels[name] = kernel_ms(step)
+        for kernel in sorted({k for per in kernels.values() for k in per}):
+            print(f"  {kernel:<24}" + "".join(f"  {name} {per.get(kernel, 0.0):.3f}" for name, per in kernels.items()),
+                  flush=True)
     use(variants["this tree"])
 
-    anchor = None
     try:
         from mamba_ssm.modules.mamba3 import Mamba3 as PeerMamba3
 
         from megacpp.model.mamba3_convert import config_to_mamba_ssm
     except ImportError as exc:
         print(f"mamba_ssm anchor unavailable ({exc}): put its source at .peers/mamba_src", flush=True)
-    else:
-        torch.manual_seed(0)
-        peer = PeerMamba3(**config_to_mamba_ssm(d, cfg.model.mamba), device=dev)
-        anchor = statistics.median(device_ms(fwd_bwd_step(peer, x), dev, warmup=2, iters=args.iters)
-                                   for _ in range(2))
-
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | M sublayer, B{b} x T{t}, "
-          "512-token documents, device ms")
+        return
+    torch.manual_seed(0)
+    peer = PeerMamba3(**config_to_mamba_ssm(d, cfg.model.mamba), device=dev)
+    anchor = statistics.median(device_ms(fwd_bwd_step(peer, x), dev, warmup=2, iters=args.iters) for _ in range(2))
+    print(f"{'mamba_ssm':<14} median {anchor:.3f} (Mamba3 SISO, eager, no document resets)")
     for name, values in times.items():
-        median = statistics.median(values)
-        ratio = f"  {median / anchor:.3f}x mamba_ssm" if anchor else ""
-        print(f"{name:<14} median {median:.3f}  rounds {' '.join(f'{v:.3f}' for v in values)}{ratio}")
-    if anchor:
-        print(f"{'mamba_ssm':<14} median {anchor:.3f} (Mamba3 SISO, eager, no document resets)")
-    for kernel in sorted({k for per in kernels.values() for k in per}):
-        print(f"  {kernel:<24}" + "".join(f"  {name} {per.get(kernel, 0.0):.3f}" for name, per in kernels.items()))
+        print(f"{name:<14} {statistics.median(values) / anchor:.3f}x mamba_ssm's layer")
 
 
 if __name__ == "__main__":
