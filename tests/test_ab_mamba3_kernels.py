@@ -40,3 +40,20 @@ def test_tier1_a_variant_without_name_or_file_is_refused_by_name(tool, monkeypat
     with pytest.raises(SystemExit, match="--variant expects NAME=FILE with an existing file") as caught:
         tool.main()
     assert repr(spec) in str(caught.value)
+
+
+def test_tier1_only_all_zero_matrices_are_drawn_for_timing(monkeypatch):
+    """benchmarks/kernels/timing.py's `randomize_zero_weights`, which the kernel benchmarks share."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(KERNELS))
+    from timing import randomize_zero_weights
+
+    module = torch.nn.Module()
+    module.zero = torch.nn.Parameter(torch.zeros(6, 5))
+    module.set = torch.nn.Parameter(torch.ones(6, 5))
+    module.norm = torch.nn.Parameter(torch.zeros(5))  # a vector stays as it is
+    randomize_zero_weights(module, std=0.5)
+    assert module.zero.count_nonzero() == 30 and 0.05 < module.zero.std().item() < 2.0
+    assert torch.equal(module.set, torch.ones(6, 5))
+    assert torch.equal(module.norm, torch.zeros(5))

@@ -26,7 +26,7 @@ from types import ModuleType
 import bench_mamba3  # benchmarks/kernels (the script's directory is on sys.path)
 import torch
 import torch._dynamo
-from timing import device_ms, fwd_bwd_step
+from timing import device_ms, fwd_bwd_step, kernel_ms, randomize_zero_weights
 
 from megacpp.model.hybrid import Block
 from megacpp.model.segments import document_segments
@@ -52,19 +52,10 @@ def use(functions: dict[str, object]) -> None:
         setattr(mamba3_triton, attr, fn)
 
 
-def kernel_ms(step, iters: int = 5) -> dict[str, float]:
-    """Device ms per step of each Triton kernel (names starting with `_`) under torch.profiler."""
-    step()
-    torch.cuda.synchronize()
-    acc: dict[str, float] = defaultdict(float)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    for event in prof.key_averages():
-        if event.key.startswith("_") and event.key.endswith("_kernel"):
-            acc[event.key] += event.device_time_total / iters / 1e3
-    return acc
+def triton_kernel_ms(step, device: torch.device) -> dict[str, float]:
+    """Device ms per step of megacpp's Triton kernels (names `_..._kernel`) over 5 profiled steps."""
+    return {name: ms for name, ms in kernel_ms(step, device, calls=5).items()
+            if name.startswith("_") and name.endswith("_kernel")}
 
 
 def main() -> None:
@@ -94,10 +85,7 @@ def main() -> None:
     docs = document_segments((torch.arange(t, device=dev) // 512).expand(b, t).contiguous())
     torch.manual_seed(0)
     block = Block("M", cfg.model, 1).to(dev)
-    with torch.no_grad():  # the zero-initialised output projection would time GEMMs on zeros
-        for param in block.parameters():
-            if param.dim() >= 2 and not param.any():
-                param.normal_(std=0.02)
+    randomize_zero_weights(block, std=0.02)
     step = fwd_bwd_step(torch.compile(block), x, docs)
     times: dict[str, list[float]] = defaultdict(list)
     for rnd in range(args.rounds):
@@ -114,7 +102,7 @@ def main() -> None:
         kernels = {}
         for name, functions in variants.items():
             use(functions)
-            kernels[name] = kernel_ms(step)
+            kernels[name] = triton_kernel_ms(step, dev)
         for kernel in sorted({k for per in kernels.values() for k in per}):
             print(f"  {kernel:<24}" + "".join(f"  {name} {per.get(kernel, 0.0):.3f}" for name, per in kernels.items()),
                   flush=True)

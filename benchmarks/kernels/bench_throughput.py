@@ -36,7 +36,7 @@ import torch
 import torch._dynamo
 
 # benchmarks/kernels/timing.py (the script's directory is on sys.path)
-from timing import device_ms, fwd_bwd_ms, fwd_bwd_step, matmul_split, median_ms
+from timing import device_ms, fwd_bwd_ms, fwd_bwd_step, matmul_split, median_ms, randomize_zero_weights
 
 from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
@@ -96,9 +96,7 @@ def bench_experts(cfg, d_model: int, b: int, t: int, iters: int, dev: torch.devi
         torch.manual_seed(0)
         moe_cfg = dataclasses.replace(cfg.model.moe, dispatch=dispatch)
         moe = modules[dispatch] = MoE(d_model, moe_cfg, 0).to(dev)
-        with torch.no_grad():  # the zero-initialised output projections would time GEMMs on zeros
-            moe.w_down.normal_(std=d_model**-0.5)
-            moe.shared_down.weight.normal_(std=d_model**-0.5)
+        randomize_zero_weights(moe, std=d_model**-0.5)
         compiled = torch.compile(moe)
         ms = fwd_bwd_ms(compiled, x, iters=iters)
         note = f"graph breaks {graph_breaks()}, dropped {int(moe.overflow)} of {b * t * moe_cfg.top_k} assignments"
@@ -243,10 +241,7 @@ def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[
         torch._dynamo.reset()
         torch.manual_seed(0)
         block = Block(kind, model_cfg, 1).to(dev)
-        with torch.no_grad():  # zero-initialised output projections would time GEMMs on zeros
-            for p in block.parameters():
-                if p.dim() >= 2 and not p.any():
-                    p.normal_(std=0.02)
+        randomize_zero_weights(block, std=0.02)
         try:
             compiled = torch.compile(block)
             ms = fwd_bwd_ms(compiled, x, docs, iters=iters)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch._dynamo
-from timing import device_ms, fwd_bwd_step  # benchmarks/kernels (the script's directory is on sys.path)
+
+# benchmarks/kernels/timing.py (the script's directory is on sys.path)
+from timing import device_ms, fwd_bwd_step, kernel_ms, randomize_zero_weights
 
 from megacpp.compile.config import CompileConfig
 from megacpp.compile.policy import apply_policy
@@ -44,9 +45,7 @@ def main() -> None:
     d = cfg.model.d_model
     torch.manual_seed(0)
     block = Block("E", cfg.model, 1).to(dev)
-    with torch.no_grad():  # the zero-initialised output projections would time GEMMs on zeros
-        block.mixer.w_down.normal_(std=d**-0.5)
-        block.mixer.shared_down.weight.normal_(std=d**-0.5)
+    randomize_zero_weights(block, std=d**-0.5)
     x = torch.randn(16, 2048, d, device=dev, requires_grad=True)
     if args.batch == "dynamic":
         torch._dynamo.maybe_mark_dynamic(x, 0)
@@ -66,18 +65,11 @@ def main() -> None:
     if args.variant == "default":
         torch.save(got, saved)
 
-    per_kernel: dict[str, float] = defaultdict(float)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            per_kernel[event.key[:90]] += event.device_time_total / 3 / 1e3
+    per_kernel = kernel_ms(step, dev)
     print(json.dumps({"variant": args.variant, "batch": args.batch, "compile_s": round(compile_s, 1),
                       "device_ms": round(ms, 3)}))
-    for name, kernel_ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
-        print(f"   {kernel_ms:8.3f} ms  {name}")
+    for name, ms_per_call in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"   {ms_per_call:8.3f} ms  {name[:90]}")
     if args.variant != "default" and saved.exists():
         ref = torch.load(saved)
         for name, value in got.items():

@@ -122,3 +122,29 @@ def matmul_split(step: Callable[[], None], device: torch.device, calls: int = 3)
     total = sum(t for _, t in times)
     matmul = sum(t for name, t in times if any(word in name for word in MATMUL_WORDS))
     return total / calls, matmul / calls, len(events) // calls
+
+
+def kernel_ms(step: Callable[[], None], device: torch.device, calls: int = 3) -> dict[str, float]:
+    """Device ms per call of each CUDA kernel name, from torch.profiler after one warmup call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize(device)
+    per_name: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            per_name[event.key] = per_name.get(event.key, 0.0) + event.device_time_total / calls / 1e3
+    return per_name
+
+
+@torch.no_grad()
+def randomize_zero_weights(module: nn.Module, std: float) -> None:
+    """Draw N(0, std) into every all-zero matrix of `module`: zero-initialised output projections would
+    time GEMMs on zeros and send no gradient upstream."""
+    for param in module.parameters():
+        if param.dim() >= 2 and not param.any():
+            param.normal_(std=std)

@@ -755,15 +755,21 @@ def dot_precision(device: torch.device) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
-def _descriptor(v: Tensor, block: list[int]) -> TensorDescriptor:
-    """A tensor descriptor of v's tiles of shape `block`. TMA needs the base and every stride but the last
-    16-byte aligned: where v's are not (odd sizes, views at odd offsets), the descriptor reads a copy of v
-    whose rows are padded to 16 bytes (a copy the mixer's layouts never need)."""
+def _tma_readable(v: Tensor) -> Tensor:
+    """v, or a copy of it that TMA can read. TMA needs the base and every stride but the last 16-byte
+    aligned: where v's are not (odd sizes, views at odd offsets), the copy's rows are padded to 16 bytes
+    (a copy the mixer's layouts never need)."""
     size = v.element_size()
     if v.stride(-1) != 1 or v.data_ptr() % 16 or any(step * size % 16 for step in v.stride()[:-1]):
         unit = 16 // math.gcd(16, size)
         padded = v.new_empty((*v.shape[:-1], -(-v.shape[-1] // unit) * unit))
         v = padded[..., :v.shape[-1]].copy_(v)
+    return v
+
+
+def _descriptor(v: Tensor, block: list[int]) -> TensorDescriptor:
+    """A tensor descriptor of v's tiles of shape `block`, over `_tma_readable(v)`."""
+    v = _tma_readable(v)
     return TensorDescriptor(v, list(v.shape), list(v.stride()), block)
 
 
@@ -872,12 +878,16 @@ def fused_bwd(
     ), dict(P=p, PB=st.block_p, R=GATE_ROWS, num_warps=GATE_WARPS)))
     L = chunk_size
     slots = b * h * nc
-    # With no rotated pairs no program reads the angles, but a descriptor needs a non-empty tensor.
+    # With no rotated pairs no program reads the angles, but a descriptor needs a non-empty tensor. What both
+    # the chain and the dB/dC kernel read by descriptors is made TMA-readable once (after the gate kernel
+    # has written grad_pre).
     angles = theta if na else theta.new_zeros(1, 1, 1, 1)
+    C_tma, angles, grad_pre_tma, states_tma = (
+        _tma_readable(v) for v in (C, angles, grad_pre, states.view(slots, p, n)))
     launch(Launch(_bwd_states_kernel, (blocks, b * h), (
-        _descriptor(C, [1, L, 1, 2 * st.block_pairs]), C_bias, _descriptor(angles, [1, L, 1, st.block_pairs]),
-        log_decay, _descriptor(grad_pre, [1, L, 1, st.block_p]),
-        _descriptor(states.view(slots, p, n), [1, st.block_p, 2 * st.block_pairs]),
+        _descriptor(C_tma, [1, L, 1, 2 * st.block_pairs]), C_bias, _descriptor(angles, [1, L, 1, st.block_pairs]),
+        log_decay, _descriptor(grad_pre_tma, [1, L, 1, st.block_p]),
+        _descriptor(states_tma, [1, st.block_p, 2 * st.block_pairs]),
         gfinal, grad_states, grad_init, grad_q_parts, grad_qL_parts, t, h, h // g, nc,
     ), dict(_meta(st, p, n, na, chunk_size, matmul_dtype, x.device), HAS_FINAL=grad_final is not None)))
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -899,10 +909,10 @@ def fused_bwd(
     head_tile, col_tile = [1, L, 1, bc.block_p], [1, L, 1, 2 * bc.block_pairs]  # of (b, t, heads or groups, -)
     state_tile = [1, bc.block_p, 2 * bc.block_pairs]  # of (b * h * chunks, p, n)
     launch(Launch(_bwd_bc_kernel, (triton.cdiv(n, 2 * bc.block_pairs), nc, b * g), (
-        _descriptor(x, head_tile), _descriptor(B, col_tile), _descriptor(C, col_tile), B_bias, C_bias,
+        _descriptor(x, head_tile), _descriptor(B, col_tile), _descriptor(C_tma, col_tile), B_bias, C_bias,
         _descriptor(angles, [1, L, 1, bc.block_pairs]), log_decay, sigma,
-        _descriptor(states.view(slots, p, n), state_tile), _descriptor(grad_states.view(slots, p, n), state_tile),
-        _descriptor(grad_pre, head_tile), _descriptor(grad_cb.view(slots, L, L), [1, L, L]),
+        _descriptor(states_tma, state_tile), _descriptor(grad_states.view(slots, p, n), state_tile),
+        _descriptor(grad_pre_tma, head_tile), _descriptor(grad_cb.view(slots, L, L), [1, L, L]),
         grad_B, grad_C, grad_B_bias_parts, grad_C_bias_parts, grad_theta, t, h, h // g, nc,
     ), _meta(bc, p, n, na, chunk_size, matmul_dtype, x.device)))
     # Fixed-order reductions (no atomics): batch and chunks for the per-head biases and D.
