@@ -111,11 +111,17 @@ def nam52() -> Config:
     m.attention.n_heads, m.attention.n_kv_heads, m.attention.head_dim = 16, 4, 128
     m.mamba.d_state, m.mamba.expand, m.mamba.head_dim = 128, 2, 64
     m.moe.n_experts, m.moe.top_k, m.moe.expert_hidden = 64, 4, 1024
-    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 16, 64, 64
+    # Value width 16, as `small` and MegaCpp's own M2RNN: on an H100 at these shapes the R sublayer takes 7.2 ms
+    # against 11.7 at 64 (BENCHMARKS.md, nam52's shapes, N3).
+    m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 16, 64, 16
+    # bf16 scan operands and the fused Triton scan on CUDA, as `small` (the reference on CPU): on an H100 at these
+    # shapes the compiled M sublayer takes 10.1 ms against 22.7 with fp32 operands and the reference scan, and
+    # 25.6 with fp32 operands and the Triton scan (N3).
+    m.mamba.scan_matmuls = "activation"
+    m.mamba.scan_kernel = "auto"
     # The fused loss head on CUDA (the reference on CPU): at these shapes (B4 x T4096, vocab 65536) on an
     # H200 the compiled head took 21.4 ms instead of 22.5, and 21.9 instead of 44.1 uncompiled, with 2.9
-    # GiB of peak memory instead of 16.3 (BENCHMARKS.md, nam52's shapes). The scan stays the reference: with
-    # fp32 operands the fused kernel's M sublayer was slower here (22.7 ms against 19.3).
+    # GiB of peak memory instead of 16.3 (BENCHMARKS.md, nam52's shapes).
     m.loss_kernel = "auto"
     m.ffn.hidden = 8192
     cfg.data.seq_len = 4096

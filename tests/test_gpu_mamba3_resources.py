@@ -1,6 +1,7 @@
 """The fused Mamba-3 Triton kernels fit one sm_90 (H100/H200) streaming multiprocessor at every preset's
-sizes: shared memory, registers, spills, as compiled by the installed Triton for that target
-(benchmarks/tools/check_mamba3_resources.py, which prints the table and takes other architectures).
+sizes: shared memory and registers within the hard limits, spills within what each timed tiling was
+measured with, as compiled by the installed Triton for that target (benchmarks/tools/check_mamba3_resources.py,
+which prints the table, states the spill rule and takes other architectures).
 
 Nothing runs on a GPU, but the check needs Triton's CUDA backend and its ptxas, which CPU CI lacks: the
 `gpu` marker deselects it there; on a GPU machine: ``python -m pytest -m gpu tests/test_gpu_mamba3_resources.py``.

@@ -14,9 +14,15 @@ pointers, 16-byte aligned where their offset is; tensor descriptors by dtype and
 i32/i64, marked divisible by 16 where they are; integers equal to 1 as constants), compiled for the
 target by the installed Triton, and measured: shared memory from the compiled kernel's metadata,
 registers per thread and spill bytes from `ptxas -v` as Triton's own backend runs it (same ptxas, same
-flags) on the kernel's PTX. Spills of a
-kernel launched with a register cap (`Tiling.max_registers`) are reported but not counted: the cap
-trades them for more programs per SM, and was timed that way.
+flags) on the kernel's PTX.
+
+Shared memory and registers x threads are hard limits: past them a launch fails. Spills only cost time,
+so they are held to what each tiling was timed with (`tilings()` in megacpp/ops/mamba3_triton.py):
+--max-spill bytes (default 0) for most kernels, `TIMED_SPILLS` for the one whose fastest tiling spills.
+Spills are reported but not counted for a kernel launched with a register cap (`Tiling.max_registers`:
+the cap trades them for more programs per SM, and was timed that way) and for the fp32-operand tilings,
+which were never timed: no preset runs them (the presets that take the Triton scan use 16-bit operands,
+and with fp32 operands the reference scan is faster, BENCHMARKS.md N3).
 
 Modes: "fp32" (fp32 activations, fp32 matmul operands: "tf32x3", or "tf32" with --tf32), "bf16"
 (bf16 x/z under autocast, fp32 matmul operands: scan_matmuls "fp32"), "bf16-mm" (bf16 x/z and bf16
@@ -24,7 +30,7 @@ matmul operands: scan_matmuls "activation").
 
 Exit status 1 when a kernel is over budget: shared memory above --max-shared bytes (default 200 KiB;
 sm_90 allows 227 KiB per block, and Triton versions allocate a little differently, so keep a margin),
-spill stores above --max-spill bytes (default 0), registers x threads above 65536, or a failed compile.
+spill stores above the kernel's spill budget, registers x threads above 65536, or a failed compile.
 """
 from __future__ import annotations
 
@@ -57,6 +63,10 @@ MODES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                  torch.int32: "i32"}
 KERNELS = ("fwd_states", "fwd_scan", "gate_bwd", "bwd_states", "bwd_chunk", "bwd_bc")
+# Spill stores (bytes) a timed, uncapped tiling is allowed where its fastest tiling spills. The dB/dC kernel at
+# 4 warps and two stages (16-bit operands): 1.01 ms alone at `small` on an H100 against 1.63 at 8 warps,
+# which do not spill (BENCHMARKS X3); it spills 200 B under Triton 3.6 (N3's call) and 172 under 3.9.
+TIMED_SPILLS = {"bwd_bc": 256}
 
 
 @dataclass(frozen=True)
@@ -147,13 +157,20 @@ def measure(launch: Launch, target: GPUTarget) -> Usage:
                  options["num_warps"] * 32)
 
 
-def problems(usage: Usage, max_shared: int, max_spill: int, capped: bool) -> list[str]:
-    """What is over budget. A kernel launched with a register cap (`maxnreg`) spills by choice: the cap
-    was timed against the spills, so they are not counted against it."""
+def spill_budget(kernel: str, matmul: torch.dtype, capped: bool, max_spill: int) -> int | None:
+    """Spill stores allowed for this kernel's tiling, or None where spills are not counted: under a
+    register cap (spilling by choice, timed so) and for the untimed fp32-operand tilings (module doc)."""
+    if capped or matmul == torch.float32:
+        return None
+    return max(max_spill, TIMED_SPILLS.get(kernel, 0))
+
+
+def problems(usage: Usage, max_shared: int, max_spill: int | None) -> list[str]:
+    """What is over budget; max_spill None: spills are not counted."""
     found = []
     if usage.shared > max_shared:
         found.append(f"shared {usage.shared} > {max_shared}")
-    if usage.spill_stores > max_spill and not capped:
+    if max_spill is not None and usage.spill_stores > max_spill:
         found.append(f"spills {usage.spill_stores} B > {max_spill}")
     if usage.registers * usage.threads > REGISTER_FILE:
         found.append(f"{usage.registers} registers x {usage.threads} threads > {REGISTER_FILE}")
@@ -163,8 +180,10 @@ def problems(usage: Usage, max_shared: int, max_spill: int, capped: bool) -> lis
 def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, seq: int, max_shared: int,
           max_spill: int, out=sys.stdout) -> int:
     """Print one row per kernel, preset and mode; returns how many are over budget or failed."""
+    timed = ", ".join(f"{k} {v} B" for k, v in TIMED_SPILLS.items())
     print(f"triton {triton.__version__}, target {target.backend} sm_{target.arch}; budget: shared <= "
-          f"{max_shared} B, spill stores <= {max_spill} B, registers x threads <= {REGISTER_FILE}", file=out)
+          f"{max_shared} B, spill stores <= {max_spill} B ({timed}; not counted under a register cap or with fp32 "
+          f"operands), registers x threads <= {REGISTER_FILE}", file=out)
     print(f"{'preset':<7}{'mode':<9}{'kernel':<11}{'grid':>16}{'warps':>6}{'PB':>4}{'KB':>4}{'shared':>8}"
           f"{'regs':>6}{'spill st/ld':>13}  verdict", file=out)
     bad, seen = 0, {}
@@ -184,7 +203,7 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                     usage, why = None, [f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"]
                 else:
                     seen[key] = usage
-                    why = problems(usage, max_shared, max_spill, cap is not None)
+                    why = problems(usage, max_shared, spill_budget(name, matmul, cap is not None, max_spill))
                 bad += bool(why)
                 meta = launch.meta
                 cols = (f"{preset:<7}{mode:<9}{name:<11}{str(launch.grid):>16}{meta['num_warps']:>6}"
@@ -195,6 +214,8 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                 verdict = "ok" if not why else "OVER: " + "; ".join(why)
                 if cap is not None:
                     verdict += f" [capped at {cap} registers]"
+                elif matmul == torch.float32 and usage.spill_stores:
+                    verdict += " [fp32 operands: untimed tiling, spills not counted]"
                 print(f"{cols}{usage.shared:>8}{usage.registers:>6}{usage.spill_stores:>7}/{usage.spill_loads:<5}"
                       f"  {verdict} ({time.perf_counter() - started:.0f} s)", file=out, flush=True)
     return bad
