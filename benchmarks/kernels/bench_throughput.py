@@ -229,6 +229,16 @@ def bench_mamba_ssm(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[
     return rows
 
 
+def compiled_block(kind: str, model_cfg, dev: torch.device) -> torch.nn.Module:
+    """One sublayer of `kind` as `blocks` mode compiles it: fresh Dynamo state, seed 0, zero-initialised
+    output projections randomised (so the backward reaches every weight)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = Block(kind, model_cfg, 1).to(dev)
+    randomize_zero_weights(block, std=0.02)
+    return torch.compile(block)
+
+
 def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[Row]:
     """Each kind of `small`'s sublayers as one compiled block, as `blocks` mode compiles it."""
     rows: list[Row] = []
@@ -238,12 +248,8 @@ def bench_sublayers(cfg, b: int, t: int, iters: int, dev: torch.device) -> list[
              ("E", "", {}), ("F", "", {}), ("R", "", {})]
     for kind, label, mamba_changes in cases:
         model_cfg = dataclasses.replace(cfg.model, mamba=dataclasses.replace(cfg.model.mamba, **mamba_changes))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        block = Block(kind, model_cfg, 1).to(dev)
-        randomize_zero_weights(block, std=0.02)
         try:
-            compiled = torch.compile(block)
+            compiled = compiled_block(kind, model_cfg, dev)
             ms = fwd_bwd_ms(compiled, x, docs, iters=iters)
         except Exception as exc:  # one failing variant must not hide the others
             print(f"{kind}{label}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

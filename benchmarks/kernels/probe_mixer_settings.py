@@ -17,13 +17,11 @@ import json
 import time
 
 import torch
-import torch._dynamo
 
 # benchmarks/kernels/ (the script's directory is on sys.path)
-from bench_throughput import documents
-from timing import device_ms, fwd_bwd_ms, fwd_bwd_step, randomize_zero_weights
+from bench_throughput import compiled_block, documents
+from timing import device_ms, fwd_bwd_ms, fwd_bwd_step
 
-from megacpp.model.hybrid import Block
 from megacpp.model.segments import document_segments
 from megacpp.presets import PRESETS, preset
 
@@ -54,13 +52,9 @@ def main() -> None:
     for label, kind, mamba, rnn in CASES:
         block_cfg = dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, **mamba),
                                         rnn=dataclasses.replace(cfg.rnn, **rnn))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        block = Block(kind, block_cfg, 1).to(dev)
-        randomize_zero_weights(block, std=0.02)
-        compiled = torch.compile(block)
         started = time.perf_counter()
         try:
+            compiled = compiled_block(kind, block_cfg, dev)
             ms = fwd_bwd_ms(compiled, x, docs, iters=args.iters)
             dev_ms = device_ms(fwd_bwd_step(compiled, x, docs), dev, warmup=1, iters=args.iters)
         except Exception as exc:  # one failing setting must not hide the others

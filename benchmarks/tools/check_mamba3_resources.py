@@ -194,6 +194,7 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                 if target.arch < 80 and launch.meta.get("PREC") != "ieee":
                     launch = Launch(launch.kernel, launch.grid, launch.args, {**launch.meta, "PREC": "ieee"})
                 cap = launch.meta.get("maxnreg")
+                budget = spill_budget(name, matmul, cap is not None, max_spill)
                 key = (name, repr(specialize(launch)), launch.meta.get("num_warps"), launch.meta.get("num_stages"), cap)
                 started = time.perf_counter()
                 try:
@@ -203,7 +204,7 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                     usage, why = None, [f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"]
                 else:
                     seen[key] = usage
-                    why = problems(usage, max_shared, spill_budget(name, matmul, cap is not None, max_spill))
+                    why = problems(usage, max_shared, budget)
                 bad += bool(why)
                 meta = launch.meta
                 cols = (f"{preset:<7}{mode:<9}{name:<11}{str(launch.grid):>16}{meta['num_warps']:>6}"
@@ -214,7 +215,7 @@ def check(presets: list[str], modes: list[str], target: GPUTarget, batch: int, s
                 verdict = "ok" if not why else "OVER: " + "; ".join(why)
                 if cap is not None:
                     verdict += f" [capped at {cap} registers]"
-                elif matmul == torch.float32 and usage.spill_stores:
+                elif budget is None and usage.spill_stores:
                     verdict += " [fp32 operands: untimed tiling, spills not counted]"
                 print(f"{cols}{usage.shared:>8}{usage.registers:>6}{usage.spill_stores:>7}/{usage.spill_loads:<5}"
                       f"  {verdict} ({time.perf_counter() - started:.0f} s)", file=out, flush=True)
