@@ -137,6 +137,7 @@ UNSET_MEANS = {
     "optim.muon_rms_lr": "optim.adamw_lr",
     "optim.embed_lr": "optim.adamw_lr",
     "optim.head_lr": "optim.adamw_lr",
+    "optim.expert_ns_steps": "optim.ns_steps",
     "optim.warmup_steps": "optim.warmup_frac of train.steps",
     "optim.decay_steps": "optim.decay_frac of train.steps",
 }

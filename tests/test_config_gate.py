@@ -64,6 +64,7 @@ BAD_OVERRIDES = [
     ("optim.lr_scale_by_kind", "R=inf", "entry 'R=inf': the factor must be a finite number >= 0", None),
     ("optim.lr_scale_by_kind", "R=nan", "entry 'R=nan': the factor must be a finite number >= 0", None),
     ("optim.lr_scale_by_kind", "M=0.5,M=1", "entry 'M=1': kind M is given more than once", None),
+    ("optim.expert_ns_steps", "0", "must be >= 1", None),
 ]
 
 
@@ -85,6 +86,19 @@ def test_grouped_moe_dispatch_is_gated_with_the_keys_it_needs():
     with pytest.raises(ConfigError, match="multiples of 8"):
         load_config("tiny", overrides=[("model.moe.expert_hidden", "100"), ("model.moe.dispatch", "grouped")])
     load_config("tiny", overrides=[("model.moe.dispatch", "grouped")])  # token choice, 128 wide: fine
+
+
+def test_expert_ns_steps_is_refused_where_the_experts_are_not_on_muon():
+    """The experts' Newton-Schulz iterations change nothing for experts on AdamW: an error naming both keys."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=[("optim.expert_ns_steps", "3"), ("optim.expert_optimizer", "adamw")])
+    msg = str(err.value)
+    assert msg.startswith("command line --optim.expert_") and "would change nothing" in msg
+    assert "optim.expert_ns_steps = 3" in msg and "optim.expert_optimizer = 'adamw'" in msg
+    with pytest.raises(ConfigError, match="would change nothing"):
+        load_config("tiny", overrides=[("optim.expert_ns_steps", "3"), ("optim.use_muon", "false")])
+    cfg, _ = load_config("tiny", overrides=[("optim.expert_ns_steps", "3")])
+    assert cfg.optim.expert_ns_steps == 3
 
 
 def test_bad_toml_values_name_file_and_line(tmp_path):

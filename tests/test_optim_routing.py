@@ -7,6 +7,7 @@ from torch import nn
 
 from megacpp.model.hints import ParamHint, collect_param_hints
 from megacpp.optim import OptimConfig, build_optimizers, route_parameters
+from megacpp.optim.muon import Muon
 from tests.test_optim_standins import TinyHybrid
 
 
@@ -68,6 +69,33 @@ def test_tier1_expert_optimizer_adamw_moves_exactly_the_routed_experts_to_adamw(
     on_adamw = _groups(model, OptimConfig(**{**vars(cfg.optim), "expert_optimizer": "adamw"}))
     r_weights = [name for name, p in model.named_parameters() if name.endswith("mixer.W") and p.ndim == 3]
     assert r_weights and all(on_adamw[name].startswith("muon:") for name in r_weights), "R's stacked W stays"
+
+
+def _muon_step_once(cfg: OptimConfig) -> dict[str, torch.Tensor]:
+    """TinyHybrid's parameters after one step of its optimizers on fixed gradients (seeded)."""
+    torch.manual_seed(0)
+    model = TinyHybrid()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    build_optimizers(model, cfg, log=None).step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_tier1_expert_ns_steps_changes_only_the_routed_experts_iterations() -> None:
+    """`optim.expert_ns_steps`: the routed experts' Muon group runs that many Newton-Schulz iterations and every
+    other Muon group keeps `ns_steps`. Stepped once on the same gradients, 5 given explicitly matches the default
+    bit for bit, and 2 moves exactly the experts' weights (to a different point: fewer iterations leave the update
+    further from orthogonal)."""
+    stack = build_optimizers(TinyHybrid(), OptimConfig(expert_ns_steps=2), log=None)
+    (muon,) = [opt for opt in stack.optimizers if isinstance(opt, Muon)]
+    experts = [g for g in muon.param_groups if g["ns_steps"] == 2]
+    assert experts and all(p.ndim == 3 for g in experts for p in g["params"])
+    assert all(g["ns_steps"] == 5 for g in muon.param_groups if g not in experts)
+
+    default, five, two = (_muon_step_once(OptimConfig(expert_ns_steps=n)) for n in (None, 5, 2))
+    assert all(torch.equal(default[name], five[name]) for name in default)
+    moved = {name for name in default if not torch.equal(default[name], two[name])}
+    assert moved == {"blocks.2.mixer.w_up", "blocks.2.mixer.w_down"}
 
 
 def test_tier1_stacked_default_scaling_and_hint_override() -> None:

@@ -44,6 +44,9 @@ class OptimConfig(ConfigSection):
     # orthogonalizes every expert every step, whatever few tokens it saw: at `small`'s 32k tokens per
     # step that is most of Muon's products (docs/optim.md, "Experts").
     expert_optimizer: ExpertOptimizer = "muon"
+    # Newton-Schulz iterations for the routed experts' weights under Muon (None = ns_steps): their
+    # orthogonalization is most of Muon's products at `small` (docs/optim.md, "Experts").
+    expert_ns_steps: int | None = None
 
     # AdamW (embeddings, heads, norms, biases, scalars, tagged parameters)
     adamw_lr: float = 3e-3
@@ -96,6 +99,10 @@ class OptimConfig(ConfigSection):
     def check(self, k: Keys) -> None:
         """Each lr_scale_by_kind entry is <kind>=<factor>: a block letter and a finite factor >= 0, each kind
         once. The optimizer's own parser decides, so the gate and the optimizer cannot disagree."""
+        if self.expert_ns_steps is not None and (self.expert_optimizer != "muon" or not self.use_muon):
+            raise k.error_among(("expert_ns_steps", "expert_optimizer", "use_muon"),
+                                "sets the Newton-Schulz iterations of experts on Muon, and the routed experts are "
+                                "on AdamW here: it would change nothing")
         try:
             parse_lr_scales(self.lr_scale_by_kind)
         except ValueError as exc:

@@ -34,11 +34,15 @@ def _muon_settings(cfg: OptimConfig) -> dict[str, Any]:
 
 def _muon_group_settings(route: Route, cfg: OptimConfig) -> dict[str, Any]:
     """A Muon route's subgroup is its lr scaling mode, and each mode has its own base lr; fused QKV
-    matrices of one split form groups of their own."""
+    matrices of one split form groups of their own, and so do the routed experts under their own
+    Newton-Schulz iterations (`expert_ns_steps`)."""
     scaling = route.subgroup
     lr = cfg.muon_lr if scaling == "original" else (cfg.adamw_lr if cfg.muon_rms_lr is None else cfg.muon_rms_lr)
-    return {"lr": lr, "lr_scaling": scaling, "split_sizes": route.hint.qkv_split,
-            "weight_decay": cfg.weight_decay if route.decayed else 0.0}
+    settings = {"lr": lr, "lr_scaling": scaling, "split_sizes": route.hint.qkv_split,
+                "weight_decay": cfg.weight_decay if route.decayed else 0.0}
+    if route.hint.routed_expert and cfg.expert_ns_steps is not None:
+        settings["ns_steps"] = cfg.expert_ns_steps
+    return settings
 
 
 def _muon_state_bytes(route: Route, cfg: OptimConfig) -> int:
@@ -51,5 +55,6 @@ def _muon_state_bytes(route: Route, cfg: OptimConfig) -> int:
 MUON_SPEC = OptimizerSpec(
     "megacpp.optim.muon:Muon", _muon_settings, _muon_group_settings, _muon_state_bytes,
     ranges={"muon_lr": NON_NEGATIVE, "muon_rms_lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
-            "muon_momentum": BELOW_1, "variance_beta2": BELOW_1, "ns_steps": AT_LEAST_1},
+            "muon_momentum": BELOW_1, "variance_beta2": BELOW_1, "ns_steps": AT_LEAST_1,
+            "expert_ns_steps": AT_LEAST_1},
 )
