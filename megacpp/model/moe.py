@@ -84,9 +84,18 @@ def dispatch_slots(expert_idx: Tensor, n_experts: int, capacity: int) -> tuple[T
     return dest, keep, one_hot.sum(dim=(0, 1))
 
 
+def relu_squared(h: Tensor) -> Tensor:
+    """relu(h)^2 in h's dtype, as h * h rather than square(): CUDA autocast runs square() (a pow) in fp32, which
+    writes an fp32 copy of the hidden rows and reads it back for the next projection (and grouped_mm takes no
+    fp32 operand beside bf16 weights). Both round the exact square once, and both gradients are 2 g h rounded
+    once, so values and gradients are the same bit for bit (tested)."""
+    h = F.relu(h)
+    return h * h
+
+
 def batched_experts(expert_in: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     """(E, C, d) -> (E, C, d): all experts as two batched matmuls, relu^2 in between."""
-    return torch.bmm(F.relu(torch.bmm(expert_in, w_up)).square(), w_down)
+    return torch.bmm(relu_squared(torch.bmm(expert_in, w_up)), w_down)
 
 
 def padded_expert_rows(
@@ -179,10 +188,8 @@ def grouped_expert_rows(
     offs = counts.cumsum(dim=0).to(torch.int32)
     x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
     x_sorted = permute_rows(x_rep, order, position)
-    hidden = F.relu(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
-    # h * h, not square(): under autocast square() becomes pow, which autocast runs in fp32, and
-    # grouped_mm takes no fp32 operand next to bf16 weights.
-    out_sorted = F.grouped_mm(hidden * hidden, w_down.to(dtype), offs=offs)
+    hidden = relu_squared(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
+    out_sorted = F.grouped_mm(hidden, w_down.to(dtype), offs=offs)
     rows = permute_rows(out_sorted, position, order)
     return rows.view(b, t, k, d), counts
 
@@ -264,7 +271,7 @@ class MoE(nn.Module):
         else:
             y = self._expert_choice(x, scores)
         if self.shared_up is not None:
-            y = y + self.shared_down(F.relu(self.shared_up(x)).square()).to(y.dtype)
+            y = y + self.shared_down(relu_squared(self.shared_up(x))).to(y.dtype)
         return y.to(x.dtype)
 
     def grouped_dtype(self, x: Tensor) -> torch.dtype | None:
