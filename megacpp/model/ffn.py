@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.activations import relu_squared
 from megacpp.model.ffn_config import FFNConfig
 from megacpp.model.segments import WHOLE_ROWS, Segments
 from megacpp.rules import check_alone
@@ -33,7 +34,7 @@ class FFN(nn.Module):
     def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """x (b, t, d) -> (b, t, d) in x.dtype; segments is unused: the MLP acts per token."""
         if self.gate is None:
-            hidden = F.relu(self.up(x)).square()
+            hidden = relu_squared(self.up(x))
         else:
             hidden = F.silu(self.gate(x)) * self.up(x)
         return self.down(hidden).to(x.dtype)

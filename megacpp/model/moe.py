@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.model.activations import relu_squared
 from megacpp.model.hints import ParamHint
 from megacpp.model.moe_config import MoEConfig, grouped_dispatch_problem
 from megacpp.model.segments import WHOLE_ROWS, Segments
@@ -82,15 +83,6 @@ def dispatch_slots(expert_idx: Tensor, n_experts: int, capacity: int) -> tuple[T
     slot = expert_idx * (b * capacity) + row * capacity + position
     dest = torch.where(keep, slot, torch.full_like(slot, n_experts * b * capacity))
     return dest, keep, one_hot.sum(dim=(0, 1))
-
-
-def relu_squared(h: Tensor) -> Tensor:
-    """relu(h)^2 in h's dtype, as h * h rather than square(): CUDA autocast runs square() (a pow) in fp32, which
-    writes an fp32 copy of the hidden rows and reads it back for the next projection (and grouped_mm takes no
-    fp32 operand beside bf16 weights). Both round the exact square once, and both gradients are 2 g h rounded
-    once, so values and gradients are the same bit for bit (tested)."""
-    h = F.relu(h)
-    return h * h
 
 
 def batched_experts(expert_in: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
