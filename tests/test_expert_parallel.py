@@ -112,6 +112,20 @@ def test_tier3_expert_parallelism_over_two_replicas_matches_four_replicate_ranks
 
 
 @pytest.mark.slow
+def test_tier3_eight_ranks_as_ep4_over_two_replicas_match_eight_replicate_ranks(tmp_path, corpus):
+    """The layout of MegaCpp's NAM56R on a node of 8 GPUs (EP 4 x 2 replicas), as 8 gloo ranks: each rank holds one
+    of the block's 4 experts and the expert gradients are all-reduced over the replicas, against 8 replicate ranks,
+    1 row each, 4 steps: the first step's loss the same, then measured 1.0e-5 apart, bounded at 1e-4 as at 4 ranks."""
+    extra = {"train.steps": "4", "train.batch_size": "1"}
+    result = launch(tmp_path / "ep", corpus, nproc=8, timeout=420, **extra, **{"dist.expert_parallel": "4"}).check()
+    assert "expert parallelism 4 x 2 replica(s)" in result.output
+    launch(tmp_path / "rep", corpus, nproc=8, timeout=420, **extra).check()
+    ep, rep = losses(tmp_path / "ep" / "run"), losses(tmp_path / "rep" / "run")
+    assert len(ep) == len(rep) == 4 and ep[0] == rep[0]
+    assert max(abs(a - b) for a, b in zip(ep, rep, strict=True)) <= 1e-4
+
+
+@pytest.mark.slow
 def test_tier3_every_token_routed_to_one_ranks_experts_runs_and_matches_one_rank(tmp_path, corpus):
     """A skewed router (test-only: selection biases +100 on experts 0 and 1, both on rank 0) sends every
     routed row to rank 0; the dropless buffers take them all, so EP still matches one process."""
