@@ -2,6 +2,8 @@
 
     python benchmarks/runs/resume_across.py --out /tmp/ra --gpus 8,2,8 --preset nam52 --steps 12 -- \\
         --train.recompute all
+    python benchmarks/runs/resume_across.py --out /tmp/ra --gpus 8,2,8 --set-at 8:dist.expert_parallel=4 -- \
+        --train.recompute all                     # EP 4 x 2 replicas on 8 GPUs, replicate/fsdp (auto) on 2
     python benchmarks/runs/resume_across.py --out /tmp/ra --gpus 2,1,2 --cpu -- <megacpp train arguments>
 
 The first entry of --gpus trains the uninterrupted run (`straight`) for --steps steps, with a checkpoint
@@ -16,7 +18,9 @@ weights, from that stage's checkpoint, and the same rows: equal but for the orde
 and the largest loss difference from the straight run over its steps up to the next stage's start (from
 stage 2 on the weights also carry the earlier stages' rounding). Exit status 1 when a launch fails or a
 stage's first-step loss differs by more than --first-step-rtol (another token stream, or weights that did
-not load). `--cpu`: gloo ranks on the CPU
+not load). `--set-at GPUS:KEY=VALUE` (repeatable) gives every launch on that many GPUs one more setting, e.g.
+a layout only that world size can take (expert parallelism 4 needs a multiple of 4 ranks); the arguments
+after `--` go to every launch. `--cpu`: gloo ranks on the CPU
 (the test's mode); otherwise every launch is a `torchrun` on this host's GPUs.
 """
 from __future__ import annotations
@@ -49,7 +53,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU instead of GPUs")
     p.add_argument("--timeout-s", type=float, default=1800, help="wall-clock limit of each launch")
     p.add_argument("--first-step-rtol", type=float, default=1e-3)
+    p.add_argument("--set-at", action="append", default=[], metavar="GPUS:KEY=VALUE",
+                   help="a setting for every launch on GPUS GPUs (repeatable)")
     args = p.parse_args(own)
+    args.set_at = _settings_by_world_size(p, args.set_at)
     try:
         args.gpus = [int(g) for g in args.gpus.split(",")]
     except ValueError:
@@ -61,6 +68,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.every < 1 or args.every * (stages - 1) >= args.steps:
         p.error(f"--steps {args.steps} with --every {args.every}: every stage needs at least one step "
                 f"(stage {stages - 1} starts at step {args.every * (stages - 1)})")
+    unused = sorted(set(args.set_at) - set(args.gpus))
+    if unused:
+        p.error(f"--set-at {unused}: no stage runs on that many GPUs (--gpus {','.join(map(str, args.gpus))})")
     if not args.batch:
         args.batch = preset(args.preset).train.batch_size
     rows = args.batch * args.gpus[0]
@@ -71,6 +81,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
+def _settings_by_world_size(p: argparse.ArgumentParser, given: list[str]) -> dict[int, list[str]]:
+    """`--set-at GPUS:KEY=VALUE` entries as {GPUS: ["--KEY=VALUE", ...]}; a malformed one is a usage error."""
+    settings: dict[int, list[str]] = {}
+    for entry in given:
+        gpus, _, setting = entry.partition(":")
+        key, equals, value = setting.partition("=")
+        if not (gpus.isdigit() and int(gpus) >= 1 and key and equals and value):
+            p.error(f"--set-at {entry!r}: expected GPUS:KEY=VALUE, e.g. 8:dist.expert_parallel=4")
+        settings.setdefault(int(gpus), []).append(f"--{key}={value}")
+    return settings
+
+
 def accumulation(args: argparse.Namespace, gpus: int) -> int:
     """Micro-batches per step on `gpus` GPUs that keep the first stage's rows per step."""
     return args.gpus[0] // gpus
@@ -79,7 +101,7 @@ def accumulation(args: argparse.Namespace, gpus: int) -> int:
 def train_command(args: argparse.Namespace, gpus: int, out_dir: Path, extra: list[str], resume: bool) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                 "-m", "megacpp.cli"]
-    return [*launcher, "train", "--preset", args.preset, "--no-progress", *extra,
+    return [*launcher, "train", "--preset", args.preset, "--no-progress", *extra, *args.set_at.get(gpus, []),
             f"--train.steps={args.steps}", f"--train.ckpt_every={args.every}",
             f"--train.keep_last={args.steps // args.every + 1}", f"--train.batch_size={args.batch}",
             f"--train.grad_accum={accumulation(args, gpus)}", f"--train.out_dir={out_dir}",
