@@ -99,6 +99,7 @@ def dense_of(cfg: Config) -> Config:
     # small's factors name kinds dense has none of; A at half rate measured within run-to-run noise
     # (0.352 against 0.356 bits/byte at best, BENCHMARKS.md), so every kind keeps the base rates.
     out.optim.lr_scale_by_kind = []
+    out.optim.expert_ns_steps = None  # no experts
     return out
 
 

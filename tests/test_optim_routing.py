@@ -87,6 +87,8 @@ def test_tier1_expert_ns_steps_changes_only_the_routed_experts_iterations() -> N
     bit for bit, and 2 moves exactly the experts' weights (to a different point: fewer iterations leave the update
     further from orthogonal)."""
     stack = build_optimizers(TinyHybrid(), OptimConfig(expert_ns_steps=2), log=None)
+    assert "expert_ns_steps: 2 Newton-Schulz iterations for the routed experts, 5 for" in stack.routing_table
+    assert "expert_ns_steps" not in build_optimizers(TinyHybrid(), OptimConfig(), log=None).routing_table
     (muon,) = [opt for opt in stack.optimizers if isinstance(opt, Muon)]
     experts = [g for g in muon.param_groups if g["ns_steps"] == 2]
     assert experts and all(p.ndim == 3 for g in experts for p in g["params"])

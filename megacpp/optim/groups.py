@@ -157,6 +157,9 @@ def format_routing_table(routes: list[Route], cfg: OptimConfig) -> str:
     if factors:
         shown = ", ".join(f"@{kind} x {factor:g}" for kind, factor in sorted(factors.items()))
         lines.append(f"lr_scale_by_kind: {shown} (the base lr of each @<kind> group)")
+    if cfg.expert_ns_steps is not None and any(r.hint.routed_expert and r.optimizer == "muon" for r in routes):
+        lines.append(f"expert_ns_steps: {cfg.expert_ns_steps} Newton-Schulz iterations for the routed experts, "
+                     f"{cfg.ns_steps} for the other Muon matrices")
     return "\n".join(lines)
 
 
