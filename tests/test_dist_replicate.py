@@ -8,7 +8,9 @@ from torch import nn
 
 from megacpp.distributed.context import DistContext
 from megacpp.distributed.replicate import assign_owners, optimizer_work
-from megacpp.distributed.strategy import REPLICATE_COPIES, REPLICATE_SHARE, choose_strategy
+from megacpp.distributed.strategy import REPLICATE_COPIES, REPLICATE_SHARE, choose_strategy, newton_schulz_steps
+from megacpp.optim import OptimConfig
+from tests.test_optim_standins import TinyHybrid
 from tests.torchrun import torchrun
 
 
@@ -29,6 +31,21 @@ def test_optimizer_work_counts_orthogonalization_for_matrices_only():
     assert stacked.flops == 4 * 5 * 6 * 16 * 16 * 32  # four (16 x 32) matrices, the smaller side squared
     assert optimizer_work(torch.Size([64, 64]), orthogonalized=False).flops == 0
     assert optimizer_work(torch.Size([10]), orthogonalized=True).flops == 0
+
+
+def test_the_balance_weighs_the_routed_experts_at_their_own_newton_schulz_iterations():
+    """The routed experts' stacked weights (hinted routed_expert) at `expert_ns_steps`, every other matrix of the
+    blocks at `ns_steps`, nothing outside the blocks; OptimConfig gives 0 for experts on AdamW."""
+    model = TinyHybrid()
+    names = {p: name for name, p in model.named_parameters()}
+    steps = {names[p]: n for p, n in newton_schulz_steps(model, 5, 3).items()}
+    experts = {"blocks.2.mixer.w_up", "blocks.2.mixer.w_down"}
+    assert {name for name, n in steps.items() if n == 3} == experts
+    assert steps.keys() == {name for name, p in model.named_parameters() if p.ndim >= 2 and name.startswith("blocks.")}
+    assert set(newton_schulz_steps(model, 5).values()) == {5}
+    assert OptimConfig().routed_expert_ns_steps == 5
+    assert OptimConfig(expert_ns_steps=3).routed_expert_ns_steps == 3
+    assert OptimConfig(expert_optimizer="adamw").routed_expert_ns_steps == 0
 
 
 def _two_ranks_with(memory: int, monkeypatch) -> DistContext:

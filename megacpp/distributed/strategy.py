@@ -34,6 +34,7 @@ from megacpp.distributed.muon import ShardedMuon
 from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.distributed.parity import check_parity
 from megacpp.distributed.replicate import Replication, optimizer_work, replicate
+from megacpp.model.hints import canonical_name, collect_param_hints
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
 # at B16 x T2048 they peak near 20 GiB of an 80 GB card) and the allocator's fragmentation.
@@ -147,9 +148,12 @@ def choose_strategy(setting: str, model: nn.Module, state_bytes: int, ctx: DistC
 
 
 def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: DistConfig, ctx: DistContext,
-                        state_bytes: Callable[[], int], ns_steps: int = 5) -> DataParallel:
+                        state_bytes: Callable[[], int], ns_steps: int = 5, expert_ns_steps: int | None = None
+                        ) -> DataParallel:
     """Compile ``model`` per ``compile_cfg`` (as on one device), then apply the strategy over ``ctx``.
-    ``state_bytes`` gives the whole optimizer state's size (asked only when ``auto`` must decide)."""
+    ``state_bytes`` gives the whole optimizer state's size (asked only when ``auto`` must decide);
+    ``ns_steps`` and ``expert_ns_steps`` (the routed experts' own, None: the same; 0: not orthogonalized) weigh
+    the Newton-Schulz work in replicate's balance of the optimizer step over the ranks."""
     if not ctx.distributed:
         shard_experts(model, dist_cfg, ctx)  # refuses dist.expert_parallel > 1 on one process
         return DataParallel(compile_model(model, compile_cfg))
@@ -182,8 +186,8 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         return FullyShardedParallel(fully_shard_model(model, compile_cfg, dist_cfg, mesh), "hsdp",
                                     f"{hsdp_layout(ctx.world_size, shards)}, {why}", {"muon": ShardedMuon})
     compiled = compile_model(model, compile_cfg)
-    hinted = _orthogonalized(model)
-    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p in hinted, ns_steps),
+    steps = newton_schulz_steps(model, ns_steps, expert_ns_steps)
+    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, steps.get(p, 0) > 0, steps.get(p, 0)),
                             local=lambda p: p in local)
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
@@ -212,6 +216,16 @@ def check_hsdp(cfg: DistConfig, ctx: DistContext) -> None:
                         "runs beside replicate or fsdp only (set dist.strategy to one of them)")
 
 
-def _orthogonalized(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters Muon steps by default (matrices of blocks): an estimate for the balance only."""
-    return {p for name, p in model.named_parameters() if p.ndim >= 2 and name.startswith("blocks.")}
+def newton_schulz_steps(model: nn.Module, ns_steps: int, expert_ns_steps: int | None = None
+                        ) -> dict[nn.Parameter, int]:
+    """The Newton-Schulz iterations of each parameter Muon steps by default (matrices of blocks; a routed
+    expert's stacked weights, hinted routed_expert, at ``expert_ns_steps`` when given): an estimate for the
+    balance only."""
+    hints = collect_param_hints(model)
+    steps = {}
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and name.startswith("blocks."):
+            hint = hints.get(canonical_name(name))
+            expert = expert_ns_steps is not None and hint is not None and hint.routed_expert
+            steps[p] = expert_ns_steps if expert else ns_steps
+    return steps

@@ -152,7 +152,7 @@ class Trainer:
         self.parallel = apply_data_parallel(
             self.model, self.cfg.compile, self.cfg.dist, ctx,
             state_bytes=lambda: optimizer_state_bytes(self.model, self.cfg.optim, hints),
-            ns_steps=self.cfg.optim.ns_steps)
+            ns_steps=self.cfg.optim.ns_steps, expert_ns_steps=self.cfg.optim.routed_expert_ns_steps)
         self.health.attach(self.parallel.compiled)
         self.stack = build_optimizers(self.model, self.cfg.optim, total_steps=tc.steps, log=None, hints=hints,
                                       classes=self.parallel.optimizer_classes,
