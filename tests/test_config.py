@@ -95,7 +95,8 @@ def test_presets_are_fresh_copies():
 
 def test_dense_preset_is_small_with_attention_and_mlp_only_and_has_the_hand_counted_parameters():
     """`dense` differs from `small` in the pattern, the per-kind learning rates (for kinds it does not
-    have) and the run directory alone, and builds to the count
+    have), the experts' Newton-Schulz iterations (it has no experts) and the run directory alone, and builds
+    to the count
     worked out here from the layer shapes (no biases; RMSNorm has one weight per channel; QK-norm has
     no weights; the LM head is not tied)."""
     import dataclasses
@@ -107,8 +108,9 @@ def test_dense_preset_is_small_with_attention_and_mlp_only_and_has_the_hand_coun
     small, dense = dataclasses.asdict(preset("small")), dataclasses.asdict(preset("dense"))
     differs = {(section, key) for section in small for key in small[section]
                if small[section][key] != dense[section][key]}
-    assert differs == {("model", "pattern"), ("optim", "lr_scale_by_kind"), ("train", "out_dir")}
-    assert dense["optim"]["lr_scale_by_kind"] == []
+    assert differs == {("model", "pattern"), ("optim", "lr_scale_by_kind"), ("optim", "expert_ns_steps"),
+                       ("train", "out_dir")}
+    assert dense["optim"]["lr_scale_by_kind"] == [] and dense["optim"]["expert_ns_steps"] is None
     assert dense["model"]["pattern"] == "AF" and dense["model"]["depth"] == 24
 
     cfg = preset("dense").model
