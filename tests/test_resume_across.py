@@ -20,27 +20,39 @@ def tool(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def _resume_stages(tmp_path, plan: list[str], timeout: float) -> list[tuple]:
+    """The tool on `tiny` over a fresh corpus with `plan` (its own options); its stage rows, each (stage, GPUs,
+    accum, first step, last step, previous stage's first loss, its |diff|, largest |diff| from straight, same)."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    overrides = {k: v for k, v in tiny_overrides(tmp_path, corpus).items() if k not in SET_BY_THE_TOOL}
+    extra = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
+    result = tool(["--out", str(tmp_path / "ra"), "--preset", "tiny", "--cpu", *plan, "--", *extra], timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    number = r"([\d.e+-]+)"
+    rows = re.findall(rf"^\| (\d) \| (\d) x \d x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$",
+                      result.stdout, re.M)
+    return rows
+
+
+def _continue_the_straight_run(rows: list[tuple], stages: list[tuple[str, ...]]) -> None:
+    """The stages are `stages` (stage, GPUs, accum, first step, last step); each first loss is the previous
+    stage's within 1e-5 relative, and every step within 2e-3 of the straight run's."""
+    assert [tuple(r[:5]) for r in rows] == stages
+    for *_, loss, first, worst, same in rows:
+        assert same == "yes"
+        assert float(first) <= 1e-5 * float(loss)
+        assert float(worst) <= 2e-3
+
+
 @pytest.mark.slow
 def test_tier3_two_ranks_resumed_on_one_and_back_continue_the_straight_run(tmp_path):
     """Stages 2 -> 1 -> 2 ranks (1 rank: 2 micro-batches of 2 rows), 6 steps, 2 per stage. Each stage's
     first loss is the previous stage's at that step but for the order of the ranks' sums (measured 0 on
     CPU; bound 1e-5 relative: another row would move it by far more), and its steps stay within the Muon
     bound of the two-rank tests from the straight run (tests/test_dist_train.py: 2e-3)."""
-    corpus = tmp_path / "corpus"
-    write_corpus(corpus)
-    overrides = {k: v for k, v in tiny_overrides(tmp_path, corpus).items() if k not in SET_BY_THE_TOOL}
-    extra = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
-    result = tool(["--out", str(tmp_path / "ra"), "--gpus", "2,1,2", "--preset", "tiny", "--steps", "6",
-                   "--batch", "2", "--cpu", "--timeout-s", "240", "--", *extra])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    number = r"([\d.e+-]+)"
-    rows = re.findall(rf"^\| (\d) \| (\d) x 2 x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$",
-                      result.stdout, re.M)
-    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("1", "1", "2", "3", "4"), ("2", "2", "1", "5", "6")]
-    for *_, loss, first, worst, same in rows:
-        assert same == "yes"
-        assert float(first) <= 1e-5 * float(loss)
-        assert float(worst) <= 2e-3
+    rows = _resume_stages(tmp_path, ["--gpus", "2,1,2", "--steps", "6", "--batch", "2", "--timeout-s", "240"], 600)
+    _continue_the_straight_run(rows, [("1", "1", "2", "3", "4"), ("2", "2", "1", "5", "6")])
 
 
 @pytest.mark.slow
@@ -50,26 +62,14 @@ def test_tier3_eight_ranks_with_expert_parallelism_resumed_on_two_and_back_conti
     expert tensors of the checkpoints load in either layout: each stage's first loss is the previous stage's
     at that step but for the order of the sums (measured 0 and 1e-6; bound 1e-5 relative), and its steps stay
     within the Muon bound of the multi-rank tests (2e-3) from the straight run (measured 2.0e-4)."""
-    corpus = tmp_path / "corpus"
-    write_corpus(corpus)
-    overrides = {k: v for k, v in tiny_overrides(tmp_path, corpus).items() if k not in SET_BY_THE_TOOL}
-    extra = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
-    result = tool(["--out", str(tmp_path / "ra"), "--gpus", "8,2,8", "--set-at", "8:dist.expert_parallel=4",
-                   "--preset", "tiny", "--steps", "6", "--batch", "1", "--cpu", "--timeout-s", "400", "--", *extra],
-                  timeout=1300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = ["--gpus", "8,2,8", "--set-at", "8:dist.expert_parallel=4", "--steps", "6", "--batch", "1",
+            "--timeout-s", "400"]
+    rows = _resume_stages(tmp_path, plan, 1300)
     logs = tmp_path / "ra"
     assert "expert parallelism 4 x 2 replica(s)" in (logs / "straight.log").read_text()
     assert "expert parallelism" not in (logs / "stage1.log").read_text()
     assert "expert parallelism 4 x 2 replica(s)" in (logs / "stage2.log").read_text()
-    number = r"([\d.e+-]+)"
-    rows = re.findall(rf"^\| (\d) \| (\d) x 1 x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$",
-                      result.stdout, re.M)
-    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("1", "2", "4", "3", "4"), ("2", "8", "1", "5", "6")]
-    for *_, loss, first, worst, same in rows:
-        assert same == "yes"
-        assert float(first) <= 1e-5 * float(loss)
-        assert float(worst) <= 2e-3
+    _continue_the_straight_run(rows, [("1", "2", "4", "3", "4"), ("2", "8", "1", "5", "6")])
 
 
 @pytest.mark.parametrize(("args", "message"), [
