@@ -33,7 +33,7 @@ from megacpp.distributed.expert_parallel import ExpertParallel, expert_blocks, s
 from megacpp.distributed.muon import ShardedMuon
 from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.distributed.parity import check_parity
-from megacpp.distributed.replicate import Replication, optimizer_work, replicate
+from megacpp.distributed.replicate import OptimizerWork, Replication, optimizer_work, replicate
 from megacpp.model.hints import canonical_name, collect_param_hints
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
@@ -187,8 +187,12 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
                                     f"{hsdp_layout(ctx.world_size, shards)}, {why}", {"muon": ShardedMuon})
     compiled = compile_model(model, compile_cfg)
     steps = newton_schulz_steps(model, ns_steps, expert_ns_steps)
-    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, steps.get(p, 0) > 0, steps.get(p, 0)),
-                            local=lambda p: p in local)
+
+    def work(p: nn.Parameter) -> OptimizerWork:
+        iterations = steps.get(p, 0)
+        return optimizer_work(p.shape, iterations > 0, iterations)
+
+    replication = replicate(model, ctx, work, local=lambda p: p in local)
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
 

@@ -86,9 +86,14 @@ class OptimConfig(ConfigSection):
     grad_clip_norm: float = 1.0  # 0 = off
 
     @property
+    def experts_on_muon(self) -> bool:
+        """Whether the routed experts' weights are stepped by Muon (else AdamW's hidden group)."""
+        return self.use_muon and self.expert_optimizer == "muon"
+
+    @property
     def routed_expert_ns_steps(self) -> int:
         """The Newton-Schulz iterations of a routed expert's update per step: 0 where the experts are on AdamW."""
-        if not self.use_muon or self.expert_optimizer == "adamw":
+        if not self.experts_on_muon:
             return 0
         return self.ns_steps if self.expert_ns_steps is None else self.expert_ns_steps
 
@@ -107,7 +112,7 @@ class OptimConfig(ConfigSection):
         """expert_ns_steps needs the routed experts on Muon. Each lr_scale_by_kind entry is <kind>=<factor>: a
         block letter and a finite factor >= 0, each kind once. The optimizer's own parser decides, so the gate
         and the optimizer cannot disagree."""
-        if self.expert_ns_steps is not None and (self.expert_optimizer != "muon" or not self.use_muon):
+        if self.expert_ns_steps is not None and not self.experts_on_muon:
             raise k.error_among(("expert_ns_steps", "expert_optimizer", "use_muon"),
                                 "sets the Newton-Schulz iterations of experts on Muon, and the routed experts are "
                                 "on AdamW here: it would change nothing")

@@ -59,7 +59,7 @@ def _muon_group(name: str, param: nn.Parameter, hint: ParamHint, cfg: OptimConfi
     """Muon's group is its lr scaling mode (hint, else expert_lr_scaling for stacked (E, A, B) weights, else
     muon_lr_scaling): each mode has its own base lr. use_muon=False sends hidden matrices to AdamW, and
     expert_optimizer="adamw" the routed experts' weights."""
-    if not cfg.use_muon or (hint.routed_expert and cfg.expert_optimizer == "adamw"):
+    if not cfg.use_muon or (hint.routed_expert and not cfg.experts_on_muon):
         return "adamw:hidden"
     mode = hint.lr_scaling or (cfg.expert_lr_scaling if param.ndim >= 3 else cfg.muon_lr_scaling)
     if mode not in LR_SCALINGS:
