@@ -20,19 +20,20 @@ def tool(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def _resume_stages(tmp_path, plan: list[str], timeout: float) -> list[tuple]:
-    """The tool on `tiny` over a fresh corpus with `plan` (its own options); its stage rows, each (stage, GPUs,
-    accum, first step, last step, previous stage's first loss, its |diff|, largest |diff| from straight, same)."""
+def _resume_stages(tmp_path, plan: list[str], batch: int, timeout: float) -> list[tuple]:
+    """The tool on `tiny` over a fresh corpus with `plan` (its own options) at `batch` rows per micro-batch; its
+    stage rows, each (stage, GPUs, accum, first step, last step, previous stage's first loss, its |diff|, largest
+    |diff| from straight, same)."""
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
     overrides = {k: v for k, v in tiny_overrides(tmp_path, corpus).items() if k not in SET_BY_THE_TOOL}
     extra = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
-    result = tool(["--out", str(tmp_path / "ra"), "--preset", "tiny", "--cpu", *plan, "--", *extra], timeout=timeout)
+    result = tool(["--out", str(tmp_path / "ra"), "--preset", "tiny", "--cpu", "--batch", str(batch), *plan, "--",
+                   *extra], timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     number = r"([\d.e+-]+)"
-    rows = re.findall(rf"^\| (\d) \| (\d) x \d x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$",
-                      result.stdout, re.M)
-    return rows
+    row = rf"^\| (\d) \| (\d) x {batch} x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$"
+    return re.findall(row, result.stdout, re.M)
 
 
 def _continue_the_straight_run(rows: list[tuple], stages: list[tuple[str, ...]]) -> None:
@@ -51,7 +52,7 @@ def test_tier3_two_ranks_resumed_on_one_and_back_continue_the_straight_run(tmp_p
     first loss is the previous stage's at that step but for the order of the ranks' sums (measured 0 on
     CPU; bound 1e-5 relative: another row would move it by far more), and its steps stay within the Muon
     bound of the two-rank tests from the straight run (tests/test_dist_train.py: 2e-3)."""
-    rows = _resume_stages(tmp_path, ["--gpus", "2,1,2", "--steps", "6", "--batch", "2", "--timeout-s", "240"], 600)
+    rows = _resume_stages(tmp_path, ["--gpus", "2,1,2", "--steps", "6", "--timeout-s", "240"], batch=2, timeout=600)
     _continue_the_straight_run(rows, [("1", "1", "2", "3", "4"), ("2", "2", "1", "5", "6")])
 
 
@@ -62,9 +63,8 @@ def test_tier3_eight_ranks_with_expert_parallelism_resumed_on_two_and_back_conti
     expert tensors of the checkpoints load in either layout: each stage's first loss is the previous stage's
     at that step but for the order of the sums (measured 0 and 1e-6; bound 1e-5 relative), and its steps stay
     within the Muon bound of the multi-rank tests (2e-3) from the straight run (measured 2.0e-4)."""
-    plan = ["--gpus", "8,2,8", "--set-at", "8:dist.expert_parallel=4", "--steps", "6", "--batch", "1",
-            "--timeout-s", "400"]
-    rows = _resume_stages(tmp_path, plan, 1300)
+    plan = ["--gpus", "8,2,8", "--set-at", "8:dist.expert_parallel=4", "--steps", "6", "--timeout-s", "400"]
+    rows = _resume_stages(tmp_path, plan, batch=1, timeout=1300)
     logs = tmp_path / "ra"
     assert "expert parallelism 4 x 2 replica(s)" in (logs / "straight.log").read_text()
     assert "expert parallelism" not in (logs / "stage1.log").read_text()
