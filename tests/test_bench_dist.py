@@ -2,6 +2,8 @@
 compare (the names the node-scale study uses: small on 1-8 GPUs, nam52 with expert parallelism)."""
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,51 @@ def test_tier1_each_ranks_first_step_split_is_read_from_its_log(bench, tmp_path)
     (logs / "rank3.log").write_text("2026-11-26 10:00:01 out of memory\n")
     assert bench._first_step_lines(tmp_path) == ["rank2: first step 72.9 s: data 0.0 s, backward 35.0 s",
                                                  "rank10: first step 9.0 s: forward 9.0 s"]
+
+
+def _run_dir(path: Path, tok_per_s: list[float], ranks: int) -> Path:
+    """A run directory as `megacpp train` leaves it: 4 x 8 tokens per rank and step, one train record per
+    entry of `tok_per_s`, and a record cut short at the end (the job killed while writing it)."""
+    path.mkdir()
+    (path / "config.toml").write_text("[train]\nbatch_size = 4\ngrad_accum = 1\n\n[data]\nseq_len = 8\n")
+    lines = [json.dumps({"step": step, "kind": "train", "loss": 10.0 - step, "tok_per_s": tok,
+                         "tok_per_s_per_gpu": tok / ranks, "mfu": step / 100, "peak_mem_gib": 20.0 + step})
+             for step, tok in enumerate(tok_per_s, start=1)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 7, "kind": "tr')
+    return path
+
+
+def _args(tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(out=str(tmp_path), gpus=2, steps=6, set=[], timeout_s=30.0)
+
+
+def test_tier1_a_job_killed_after_its_steps_is_reported_from_the_steps_it_logged(bench, tmp_path, monkeypatch):
+    # 2 ranks x 4 x 8 = 64 tokens a step; steps 4-6 (the second half) take 100, 100 and 50 ms
+    _run_dir(tmp_path / "small-2", [16.0, 640.0, 320.0, 640.0, 640.0, 1280.0], ranks=2)
+    monkeypatch.setattr(bench, "_torchrun", lambda *a: ("timeout", "profile, steps 3-5: x\n", 41.0))
+    result = bench.run_variant("small-2", _args(tmp_path), {})
+    assert not result["failed"]
+    assert result["ended"] == "ended by --timeout-s after step 6"
+    assert (result["first_step_s"], result["step_ms"], result["tok_s_gpu"]) == (4.0, 100.0, 320.0)
+    assert (result["mfu"], result["peak_gib"], result["losses"][-1], result["wall"]) == (0.05, 26.0, 4.0, 41.0)
+    assert result["profile"] == ["profile, steps 3-5: x"]
+
+
+def test_tier1_a_job_that_exits_zero_has_no_ending_note(bench, tmp_path, monkeypatch):
+    _run_dir(tmp_path / "small-2", [16.0, 640.0], ranks=2)
+    monkeypatch.setattr(bench, "_torchrun", lambda *a: ("0", "", 9.0))
+    result = bench.run_variant("small-2", _args(tmp_path), {})
+    assert (result["ended"], result["step_ms"]) == ("", 100.0)
+    assert bench._ending("1", 12) == "exit 1 after step 12"
+
+
+@pytest.mark.parametrize("logged", [[], [16.0]])
+def test_tier1_a_job_with_fewer_than_two_steps_fails_with_its_logs_tail(bench, tmp_path, monkeypatch, capsys,
+                                                                        logged):
+    if logged:
+        _run_dir(tmp_path / "small-2", logged, ranks=2)
+    monkeypatch.setattr(bench, "_torchrun", lambda *a: ("timeout", "compiling...\n", 30.0))
+    assert bench.run_variant("small-2", _args(tmp_path), {}) == {"name": "small-2", "failed": True}
+    printed = capsys.readouterr().out
+    assert "small-2: FAILED (no end within --timeout-s, fewer than two steps logged)" in printed
+    assert "compiling..." in printed

@@ -1,12 +1,12 @@
 """Run a script or the megacpp CLI under torchrun (gloo, CPU) from a test, always under a timeout.
 
 A hang must fail the test, never stall CI: every launch has a wall-clock limit, and on expiry the
-whole process group of the launch (torchrun and its workers) is killed.
+launch is killed with every process it started (torchrun starts its workers in sessions of their own, so
+the launch's process group alone would leave them running on CI's cores).
 """
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "runs"))  # the benchmarks' runner kills a launch the same way
+from run_dirs import kill_tree  # noqa: E402
 
 
 @dataclass
@@ -58,7 +60,7 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> La
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s (a hang):\n{out[-6000:]}") from None
     return Launch(proc.returncode, out, time.monotonic() - start)
@@ -90,7 +92,7 @@ def two_nodes(target: list[str], timeout: float = 240, env: dict[str, str] | Non
             out, _ = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
             for p in procs:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
             raise AssertionError("two-node launch timed out (a hang)") from None
         results.append(Launch(proc.returncode, out, time.monotonic() - start))
     return results

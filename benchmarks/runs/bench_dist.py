@@ -22,6 +22,11 @@ Then the scaling efficiencies it can form: per-GPU tokens/s of each several-GPU 
 variant over the 1-GPU one at the same per-GPU batch,
 of small-2-b8 over small-1 (same global batch) and over small-1-b8 (the communication's share alone), and
 the largest loss difference of small-1-acc2 and small-2 (the same token stream).
+
+``--timeout-s`` bounds each job's wall clock (its whole process group is killed past it). A job that ends
+early, killed or failing, after logging steps (typically while writing its final checkpoint) is still
+reported from the steps it logged, its line saying how it ended; only a job with fewer than two logged
+steps counts as failed. Each job's output streams to ``--out/NAME.log`` as it runs.
 """
 from __future__ import annotations
 
@@ -30,10 +35,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from run_dirs import run_logged  # benchmarks/runs (the script's directory is on sys.path)
 
 SMALL = re.compile(r"small-(?P<gpus>\d+)(?:-b(?P<batch>\d+))?(?:-acc(?P<accum>\d+))?(?:-(?P<strategy>[a-z]+\d*))?")
 NANOCHAT = re.compile(r"nanochat-(?P<gpus>\d+)(?:-b(?P<batch>\d+))?")
@@ -74,29 +80,48 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
     if preset == "nanochat":
         return run_nanochat(name, nproc, extra, args, env)
     out = Path(args.out) / name
-    job = _torchrun(name, nproc, [
+    code, output, wall = _torchrun(name, nproc, [
         "-m", "megacpp.cli", "train", "--preset", preset, "--no-progress", f"--train.steps={args.steps}",
         f"--train.out_dir={out}", f"--train.eval_every={args.steps}", f"--train.ckpt_every={args.steps}",
         "--train.sample_tokens=16", "--train.tensorboard=false", "--train.eval_batches=4",
         *extra, *(f"--{kv}" for kv in args.set)], args, env)
-    if job is None:
+    result = run_figures(out, nproc)
+    if result is None:
+        _print_failure(name, code, output, Path(args.out) / f"{name}.log")
         return {"name": name, "failed": True}
-    output, wall = job
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return _reported({**result, "name": name, "wall": wall, "ended": _ending(code, result["steps"]),
+                      "profile": [line for line in output.splitlines() if "profile, steps" in line]})
+
+
+def run_figures(run_dir: Path, nproc: int) -> dict | None:
+    """A run's figures from the steps its metrics.jsonl holds (the median over their second half, the
+    first step never among them: it is compile, not speed), or None when it logged fewer than two steps."""
+    from megacpp.train.metrics import read_metrics
+
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
     train = [r for r in records if r["kind"] == "train"]
-    late = train[len(train) // 2:]
-    tokens_per_step = _tokens_per_step(out, nproc)
-    return _reported({
-        "name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": [r["loss"] for r in train],
+    if len(train) < 2:
+        return None
+    late = train[max(1, len(train) // 2):]
+    tokens_per_step = _tokens_per_step(run_dir, nproc)
+    return {
+        "failed": False, "gpus": nproc, "steps": train[-1]["step"], "losses": [r["loss"] for r in train],
         "first_step_s": tokens_per_step / train[0]["tok_per_s"],
         "step_ms": 1000 * statistics.median(tokens_per_step / r["tok_per_s"] for r in late),
         "tok_s_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in late),
         "mfu": statistics.median(r.get("mfu", 0.0) for r in late),
         "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in train),
         "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
-        "profile": [line for line in output.splitlines() if "profile, steps" in line],
-        "first_steps": _first_step_lines(out),
-    })
+        "first_steps": _first_step_lines(run_dir),
+    }
+
+
+def _ending(code: str, steps: int) -> str:
+    """How a job that logged `steps` steps ended when not by itself; "" for exit 0."""
+    if code == "0":
+        return ""
+    return f"ended by --timeout-s after step {steps}" if code == "timeout" else f"exit {code} after step {steps}"
 
 
 def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict:
@@ -104,33 +129,33 @@ def run_nanochat(name: str, nproc: int, extra: list[str], args: argparse.Namespa
     out = Path(args.out) / f"{name}.json"
     peer = Path(__file__).resolve().parents[2] / ".peers" / "nanochat"
     env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(peer), env.get("PYTHONPATH", "")])))
-    job = _torchrun(name, nproc, [str(Path(__file__).with_name("nanochat_anchor.py")), f"--steps={args.steps}",
-                                  f"--out={out}", *extra], args, env)
-    if job is None:
+    code, output, wall = _torchrun(name, nproc, [str(Path(__file__).with_name("nanochat_anchor.py")),
+                                                 f"--steps={args.steps}", f"--out={out}", *extra], args, env)
+    if code != "0" or not out.is_file():  # the anchor writes its figures only at its end
+        _print_failure(name, code, output, Path(args.out) / f"{name}.log")
         return {"name": name, "failed": True}
     r = json.loads(out.read_text())
     late = r["step_s"][len(r["step_s"]) // 2:]
-    return _reported({"name": name, "failed": False, "gpus": nproc, "wall": job[1], "losses": r["losses"],
+    return _reported({"name": name, "failed": False, "gpus": nproc, "wall": wall, "losses": r["losses"],
                       "first_step_s": r["step_s"][0], "step_ms": 1000 * statistics.median(late),
                       "tok_s_gpu": r["batch"] * r["seq"] / statistics.median(late), "mfu": r["mfu"],
-                      "peak_gib": r["peak_gib"], "profile": []}, " (nanochat's convention)")
+                      "peak_gib": r["peak_gib"], "profile": [], "ended": ""}, " (nanochat's convention)")
 
 
 def _torchrun(name: str, nproc: int, target: list[str], args: argparse.Namespace,
-              env: dict[str, str]) -> tuple[str, float] | None:
-    """A fresh ``torchrun --standalone`` job of `target` on `nproc` GPUs, its output kept in --out/NAME.log:
-    (output, wall seconds), or None with the output's tail printed when it fails."""
+              env: dict[str, str]) -> tuple[str, str, float]:
+    """A fresh ``torchrun --standalone`` job of `target` on `nproc` GPUs, its output streamed to
+    --out/NAME.log: (exit code as text, or "timeout"; the output; wall seconds)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    output = proc.stdout + proc.stderr
     log = Path(args.out) / f"{name}.log"
-    log.write_text(output)
-    if proc.returncode != 0:
-        print(f"{name}: FAILED (exit {proc.returncode}); tail of {log}:\n{output[-4000:]}", flush=True)
-        return None
-    return output, wall
+    t0 = time.perf_counter()
+    code = run_logged(cmd, log, args.timeout_s or None, env=env)
+    return code, log.read_text(errors="replace"), time.perf_counter() - t0
+
+
+def _print_failure(name: str, code: str, output: str, log: Path) -> None:
+    ended = "no end within --timeout-s" if code == "timeout" else f"exit {code}"
+    print(f"{name}: FAILED ({ended}, fewer than two steps logged); tail of {log}:\n{output[-4000:]}", flush=True)
 
 
 def _reported(result: dict, mfu_convention: str = "") -> dict:
@@ -138,7 +163,7 @@ def _reported(result: dict, mfu_convention: str = "") -> dict:
     print(f"{result['name']}: {result['gpus']} GPU(s), first step {result['first_step_s']:.1f} s, step "
           f"{result['step_ms']:.0f} ms, {result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%"
           f"{mfu_convention}, peak {result['peak_gib']:.1f} GiB, final loss {result['losses'][-1]:.4f}, "
-          f"wall {result['wall']:.0f} s", flush=True)
+          f"wall {result['wall']:.0f} s" + (f" ({result['ended']})" if result["ended"] else ""), flush=True)
     return result
 
 
@@ -189,7 +214,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--gpus", type=int, default=int(os.environ.get("GPUS", "0")) or None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant")
+    p.add_argument("--timeout-s", type=float, default=0.0,
+                   help="wall-clock limit of each job in seconds (0: none); see the description")
     args = p.parse_args()
+    if args.timeout_s < 0:
+        p.error(f"--timeout-s {args.timeout_s:g}: expected seconds >= 0 (0: no limit)")
     if args.gpus is None:
         import torch
 

@@ -2,6 +2,7 @@
 metrics, with one-line errors instead of tracebacks; a command run with its output in a log."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,13 +48,42 @@ def step_window(text: str, option: str) -> tuple[int, int]:
 
 def run_logged(cmd: list[str], log: Path, timeout_s: float | None, cwd: Path | None = None,
                env: dict[str, str] | None = None) -> str:
-    """Run ``cmd`` with its output in ``log``: its exit code as text, or "timeout". On the timeout its whole
-    process group is killed: a torchrun's workers, not only torchrun."""
+    """Run ``cmd`` with its output in ``log``: its exit code as text, or "timeout". On the timeout every
+    process it started is killed with it: torchrun starts its workers in sessions of their own, so its
+    process group alone would leave them running (and holding their GPUs)."""
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
             return str(proc.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             return "timeout"
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid`, its process group and every process below it (read from /proc before the first
+    kill, since a killed parent's children are handed to init and drop out of the tree)."""
+    below = descendants(pid)
+    with contextlib.suppress(ProcessLookupError):  # the launch itself may have ended already
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, their children, ...), from /proc; [] where there is none."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name before ")" may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
