@@ -25,7 +25,7 @@ from megacpp.train.loop import Trainer
 from megacpp.train.metrics import MetricsLogger, plot_loss, read_metrics
 from megacpp.train.rundir import LOCK_NAME, RunLock
 from tests.helpers import tiny_train_args, tiny_train_config
-from tests.torchrun import ROOT, Launch, free_port, python, torchrun, torchrun_args, worker_env
+from tests.torchrun import ROOT, Launch, free_port, kill_tree, python, torchrun, torchrun_args, worker_env
 
 
 def _quiet(_msg: str) -> None:
@@ -370,7 +370,7 @@ def _interrupt(cmd: list[str], run_dir: Path, timeout: float = 240, sig: int = s
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # a torchrun launch's workers too
             proc.communicate()
     return proc.returncode, out
 
