@@ -20,6 +20,7 @@ from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
 from megacpp.runtime.evaluate import Evaluation, evaluate_bpb
 from megacpp.runtime.generate import generate_tokens, stream_text
+from megacpp.runtime.model_build import build_model
 from megacpp.runtime.position_curve import PositionCurve, position_curve
 
 
@@ -95,7 +96,7 @@ def load_session(path: str | Path, cfg: Config) -> Session:
     model_state, train_state, meta = load_checkpoint(ckpt, map_location=device)
     saved = from_dict(meta["config"], source=f"{ckpt}/meta.json")
     config = dataclasses.replace(saved, train=dataclasses.replace(saved.train, device=cfg.train.device))
-    model = HybridLM(config.model).to(device)
+    model = build_model(config.model, device)
     model.load_state_dict(model_state)
     model.eval()
     tokenizer = CodeTokenizer.from_file(ckpt / "tokenizer.json")

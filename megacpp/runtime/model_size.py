@@ -2,11 +2,12 @@
 
 A size typed one digit too long (``--model.ffn.hidden 100000000000``) used to end in an allocator
 traceback from deep inside ``nn.Linear``. The model is built on the meta device first (shapes only, no
-memory; even nam52 takes well under a second), and a run whose fp32 weights alone exceed the memory they
-are built in (host RAM, then the GPU's memory) stops with one line that names the size and the largest
-parameter. Only the weights are counted, a lower bound of what training holds (gradients, optimizer
-state and activations come on top), so a model this check passes may still need the OOM auto-fit or
-a smaller batch, but one it refuses could never have run.
+memory; even nam52 takes well under a second), and a run whose fp32 weights alone exceed host RAM (where
+a CPU run builds them and a GPU run's checkpoints gather them) or the GPU's memory (where a GPU run builds
+them) stops with one line that names the size and the largest parameter. Only the weights are counted, a
+lower bound of what training holds (gradients, optimizer state and activations come on top), so a model
+this check passes may still need the OOM auto-fit or a smaller batch, but one it refuses could never have
+run.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def host_memory_bytes() -> int | None:
 
 
 def check_model_fits(model_cfg: ModelConfig, device: torch.device) -> None:
-    """Raise `ModelTooLarge` when the fp32 weights of `model_cfg`'s model exceed host memory (where the
-    model is built) or, on CUDA, the device's memory (where it is moved)."""
+    """Raise `ModelTooLarge` when the fp32 weights of `model_cfg`'s model exceed host memory (where a CPU
+    run builds them and a checkpoint gathers them) or, on CUDA, the device's memory (where it builds them)."""
     with torch.device("meta"):
         model = HybridLM(model_cfg)
     params = list(model.named_parameters())

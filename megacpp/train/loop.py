@@ -44,7 +44,6 @@ from megacpp.distributed.stats import StatisticsReducer
 from megacpp.distributed.strategy import apply_data_parallel
 from megacpp.distributed.watchdog import StepWatchdog
 from megacpp.model.hints import collect_param_hints, run_after_optimizer_step
-from megacpp.model.hybrid import HybridLM
 from megacpp.model.params import flops_per_token, parameter_table
 from megacpp.ops import kernel_prewarm
 from megacpp.ops.fast_paths import kernel_report
@@ -55,6 +54,7 @@ from megacpp.runtime.checkpoint import checkpoint_root, list_checkpoints
 from megacpp.runtime.data import build_data
 from megacpp.runtime.device import autocast_context, peak_flops
 from megacpp.runtime.evaluate import evaluate_bpb
+from megacpp.runtime.model_build import build_model
 from megacpp.runtime.model_size import check_model_fits
 from megacpp.train.autofit.attempt import Attempt
 from megacpp.train.config import recompute_kinds
@@ -136,7 +136,7 @@ class Trainer:
         self.cfg = trained_config(self.cfg, self.data.tokenizer.vocab_size)
         self.batch = BatchPlan.of(self.cfg, ctx.world_size)
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
-        self.model = HybridLM(self.cfg.model).to(self.device)
+        self.model = build_model(self.cfg.model, self.device)  # its weights drawn on the device
         if self.init_from is not None:
             load_initial_weights(self.model, self.init_from)
         # Counted before anything is sharded: the whole model's parameters and compute per token.
