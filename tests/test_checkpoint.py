@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from megacpp.distributed.context import DistContext
 from megacpp.presets import preset
 from megacpp.runtime.checkpoint import (
     CheckpointError,
+    _sha256_each,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -196,3 +198,14 @@ def test_tier1_a_setting_the_checkpoint_predates_is_its_default(tmp_path):
     cfg.model.mtp_depth = 1
     with pytest.raises(CheckpointError, match=r"model.mtp_depth: checkpoint 0 vs now 1"):
         check_resume_settings(meta, to_dict(cfg), 1, tmp_path)
+
+
+def test_tier1_files_hashed_side_by_side_keep_each_files_own_digest(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    paths = []
+    for i, size in enumerate([0, 1, 4099, 1 << 20, 3 * (1 << 20) + 7]):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).numpy().tobytes())
+    expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert _sha256_each(paths) == expected
+    assert _sha256_each(paths[::-1]) == expected[::-1]
