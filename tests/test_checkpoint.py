@@ -1,5 +1,6 @@
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -209,3 +210,16 @@ def test_tier1_files_hashed_side_by_side_keep_each_files_own_digest(tmp_path):
     expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
     assert _sha256_each(paths) == expected
     assert _sha256_each(paths[::-1]) == expected[::-1]
+
+
+def test_tier1_a_save_logs_one_line_with_each_phases_time(tmp_path):
+    lines = []
+    path = dist_checkpoint.save(DistContext(), tmp_path, 5, _model(5), _moments(5), {"step": 5},
+                                {"config": {"model": {"depth": 4}}, "tokenizer_hash": "abc"}, 3, log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {path.name} written in ")
+    found = re.fullmatch(r"checkpoint \S+ written in ([\d.]+) s: preparing the directory ([\d.]+) s, gathering the "
+                         r"weights ([\d.]+) s, optimizer moments ([\d.]+) s, weights, state and hashes \(rank 0\) "
+                         r"([\d.]+) s, publishing ([\d.]+) s", lines[0])
+    assert found is not None, lines[0]
+    total, *parts = map(float, found.groups())
+    assert abs(total - sum(parts)) <= 0.05 * len(parts) + 1e-9  # each figure rounded to 0.1 s

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +137,11 @@ class _Agreement:
 
 def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, moments: dict[str, Tensor],
          train_state: dict[str, Any], meta: dict[str, Any], keep_last: int,
-         extra_files: dict[str, bytes] | None = None, experts: ExpertParallel | None = None
-         ) -> Path:
-    """Write checkpoint `step` (see the module docstring); returns its directory."""
+         extra_files: dict[str, bytes] | None = None, experts: ExpertParallel | None = None,
+         log: Callable[[str], None] | None = None) -> Path:
+    """Write checkpoint `step` (see the module docstring); returns its directory. `log` gets one line with
+    the time of each phase (a large model's checkpoint can take as long as minutes of training)."""
+    clock = _PhaseTimes()
     final, tmp = checkpoint_dirs(out_dir, step)
     agreement = _Agreement(ctx, step, tmp)
     if ctx.is_main:
@@ -153,7 +156,9 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
                                        "(checkpoints need a filesystem every host shares)"))
     agreement.settle("checking the directory")
 
+    clock.mark("preparing the directory")
     model_state = full_model_state(model, ctx, experts)
+    clock.mark("gathering the weights")
     try:
         with _dcp_quiet():
             dcp.save(checkpointed_moments(moments, experts), checkpoint_id=tmp / MOMENTS_DIR,
@@ -161,6 +166,7 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
     except (OSError, CheckpointException) as exc:
         agreement.fail(exc)
     agreement.settle("writing optimizer moments")
+    clock.mark("optimizer moments")
     if ctx.is_main:
         try:
             write_local_files(tmp, model_state, train_state, extra_files)
@@ -168,10 +174,31 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
         except (OSError, SafetensorError) as exc:
             agreement.fail(exc)
     agreement.settle("writing weights and metadata")
+    clock.mark("weights, state and hashes (rank 0)")
     if ctx.is_main:
         publish(tmp, final, keep_last)
     ctx.barrier()
+    clock.mark("publishing")
+    if log is not None:
+        log(clock.line(f"checkpoint {final.name} written"))
     return final
+
+
+class _PhaseTimes:
+    """Wall seconds of a checkpoint's phases, each ending when every rank has finished it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
+
+    def line(self, what: str) -> str:
+        parts = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
+        return f"{what} in {sum(self.seconds.values()):.1f} s: {parts}"
 
 
 def find_resume_checkpoint(ctx: DistContext, out_dir: str | Path, warn=print) -> Path | None:

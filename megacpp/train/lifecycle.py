@@ -163,4 +163,4 @@ class RunDirectory:
         extra = {"tokenizer.json": tokenizer_json()} if self.ctx.is_main else None
         in_doubt = sum(in_doubt_from <= checkpoint_step(p) < step for p in list_checkpoints(self.path))
         return dist_checkpoint.save(self.ctx, self.path, step, model, moments, state, meta,
-                                    self.cfg.train.keep_last + in_doubt, extra, experts)
+                                    self.cfg.train.keep_last + in_doubt, extra, experts, log=self.log)
