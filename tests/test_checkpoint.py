@@ -223,3 +223,18 @@ def test_tier1_a_save_logs_one_line_with_each_phases_time(tmp_path):
     assert found is not None, lines[0]
     total, *parts = map(float, found.groups())
     assert abs(total - sum(parts)) <= 0.05 * len(parts) + 1e-9  # each figure rounded to 0.1 s
+
+
+def test_tier1_weights_that_share_storage_or_view_part_of_one_are_written_whole(tmp_path):
+    from safetensors.torch import load_file
+
+    from megacpp.runtime.checkpoint import write_local_files
+
+    flat = torch.arange(20.0)
+    tied = torch.randn(3, 4)
+    state = {"tied.a": tied, "tied.b": tied, "part": flat[5:11].view(2, 3), "columns": torch.randn(4, 6)[:, ::2],
+             "empty.a": torch.empty(0), "empty.b": torch.empty(0, 2)}
+    write_local_files(tmp_path, state, {"step": 1})
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert set(loaded) == set(state)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())

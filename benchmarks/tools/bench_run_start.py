@@ -5,9 +5,11 @@
 
 1. Building the model (megacpp.runtime.model_build): `HybridLM` built on the CPU with --threads threads
    (torchrun gives each rank one), on the meta device (the modules alone), and on CUDA where there is one.
-2. Hashing a checkpoint's files (megacpp.runtime.checkpoint): one file of weights and one file of
-   moments per rank (--ranks), --files-gib in all, hashed one after another and side by side, from the
-   page cache (each is read once first). The files are written under --dir and removed after.
+2. Rank 0 writing a checkpoint's weights (megacpp.runtime.checkpoint.write_local_files): fresh fp32
+   tensors of 64 MiB, --files-gib / 2 in all, as a sharded run's gathered weights arrive.
+3. Hashing a checkpoint's files: one file of weights and one file of moments per rank (--ranks),
+   --files-gib in all, hashed one after another and side by side, from the page cache (each is read once
+   first). The files of 2 and 3 are written under --dir and removed after.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 from megacpp.model.hybrid import HybridLM
 from megacpp.presets import preset
-from megacpp.runtime.checkpoint import _sha256, _sha256_each
+from megacpp.runtime.checkpoint import _sha256, _sha256_each, write_local_files
 from megacpp.runtime.model_build import build_model
 
 
@@ -45,6 +47,15 @@ def time_builds(depth: int, threads: int) -> None:
         print(f"build nam52 at depth {depth} ({params / 1e9:.2f}B parameters) on {device.type}"
               f"{f' with {threads} thread(s)' if device.type == 'cpu' else ''}: {seconds:.2f} s", flush=True)
         del model
+
+
+def time_weights_file(gib: float, where: Path) -> None:
+    state = {f"w{i}": torch.randn(16 << 20) for i in range(max(1, round(gib * 16)))}
+    start = time.perf_counter()
+    write_local_files(where, state, {"step": 0})
+    seconds = time.perf_counter() - start
+    print(f"write {len(state) / 16:.2f} GiB of weights (model.safetensors): {seconds:.2f} s", flush=True)
+    (where / "model.safetensors").unlink()
 
 
 def time_hashes(files_gib: float, ranks: int, where: Path) -> None:
@@ -78,6 +89,7 @@ def main() -> None:
     time_builds(args.depth, args.threads)
     where = Path(tempfile.mkdtemp(prefix="bench_run_start_", dir=args.dir))
     try:
+        time_weights_file(args.files_gib / 2, where)
         time_hashes(args.files_gib, args.ranks, where)
     finally:
         shutil.rmtree(where)
