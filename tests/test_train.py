@@ -2,6 +2,7 @@
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -386,3 +387,21 @@ def test_extending_a_finished_run_says_what_the_schedule_does_and_offers_the_cho
     else:
         assert multiplier == 0.5 and "the added steps train at 0.5x the base learning rate" in note
     trainer.close()
+
+
+def test_tier1_the_step_after_an_evaluation_and_a_checkpoint_is_timed_without_them(tmp_path, small_corpus,
+                                                                                  monkeypatch):
+    # a 3 s evaluation at step 3 (tiny's steps take well under a second here): step 4's tok/s must not
+    # count it, as step 3's own does not
+    original = Trainer._evaluate
+
+    def slow_evaluate(self, records, watchdog):
+        time.sleep(3.0)
+        original(self, records, watchdog)
+
+    monkeypatch.setattr(Trainer, "_evaluate", slow_evaluate)
+    _run(tiny_train_config(tmp_path, small_corpus))
+    tokens_per_step = 4 * 32
+    seconds = {r["step"]: tokens_per_step / r["tok_per_s"]
+               for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"}
+    assert seconds[4] < 3.0 and seconds[5] < 3.0, seconds

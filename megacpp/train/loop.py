@@ -354,6 +354,8 @@ class Trainer:
                 if checkpoint_due:
                     self._expect_progress(watchdog, f"checkpoint at step {self.step}")
                     checkpoint = self.save()
+                if evaluation_due or checkpoint_due:  # the next step's tok/s is its own, without these
+                    t_last = time.perf_counter()
                 if self.votes.interrupted_at_step_end():
                     self._stop_interrupted(watchdog, checkpoint if checkpoint_due else None)
                 if out_of_time:
