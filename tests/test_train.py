@@ -231,7 +231,7 @@ def test_tier1_phase_clock_line_names_the_phase_that_raised_the_peak():
     from megacpp.train.phase_clock import PhaseClock
 
     clock = PhaseClock(torch.device("cpu"))
-    clock.seconds = {"forward": 30.0, "backward": 7.5, "optimizer step": 40.0}
+    clock.seconds.update({"forward": 30.0, "backward": 7.5, "optimizer step": 40.0})
     clock.peak_gib = {"forward": 30.06, "backward": 46.5, "optimizer step": 61.84}
     assert clock.line("first step") == ("first step 77.5 s: forward 30.0 s, backward 7.5 s, optimizer step 40.0 s "
                                         "(peak memory after each: forward 30.1 GiB, backward 46.5 GiB, "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,6 +42,7 @@ from megacpp.runtime.checkpoint import (
     write_local_files,
     write_meta,
 )
+from megacpp.runtime.phase_timer import PhaseTimer
 
 
 def full_model_state(model: nn.Module, ctx: DistContext, experts: ExpertParallel | None = None
@@ -141,7 +141,7 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
          log: Callable[[str], None] | None = None) -> Path:
     """Write checkpoint `step` (see the module docstring); returns its directory. `log` gets one line with
     the time of each phase (a large model's checkpoint can take as long as minutes of training)."""
-    clock = _PhaseTimes()
+    clock = PhaseTimer()  # each phase ends when every rank has finished it (the agreements settle it)
     final, tmp = checkpoint_dirs(out_dir, step)
     agreement = _Agreement(ctx, step, tmp)
     if ctx.is_main:
@@ -180,25 +180,8 @@ def save(ctx: DistContext, out_dir: str | Path, step: int, model: nn.Module, mom
     ctx.barrier()
     clock.mark("publishing")
     if log is not None:
-        log(clock.line(f"checkpoint {final.name} written"))
+        log(clock.line(f"checkpoint {final.name} written in"))
     return final
-
-
-class _PhaseTimes:
-    """Wall seconds of a checkpoint's phases, each ending when every rank has finished it."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = now - self._last
-        self._last = now
-
-    def line(self, what: str) -> str:
-        parts = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
-        return f"{what} in {sum(self.seconds.values()):.1f} s: {parts}"
 
 
 def find_resume_checkpoint(ctx: DistContext, out_dir: str | Path, warn=print) -> Path | None:

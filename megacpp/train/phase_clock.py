@@ -14,9 +14,9 @@ run's one peak figure could not say where the difference arose).
 """
 from __future__ import annotations
 
-import time
-
 import torch
+
+from megacpp.runtime.phase_timer import PhaseTimer
 
 
 class PhaseClock:
@@ -25,15 +25,18 @@ class PhaseClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = True
-        self.seconds: dict[str, float] = {}
+        self._timer = PhaseTimer()
         # The allocator's peak (GiB) since the process started, read at each phase's end: a phase whose
         # reading exceeds the one before it raised the peak.
         self.peak_gib: dict[str, float] = {}
-        self._last = 0.0
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return self._timer.seconds
 
     def start(self) -> None:
         if self.enabled:
-            self._last = time.perf_counter()
+            self._timer.restart()
 
     def mark(self, phase: str) -> None:
         """The time since the last mark (or `start`) goes to `phase`, its device work included."""
@@ -42,9 +45,7 @@ class PhaseClock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_gib[phase] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
-        self._last = now
+        self._timer.mark(phase)
 
     def stop(self) -> dict[str, float]:
         """Stop timing; the phases' seconds so far."""
@@ -54,8 +55,7 @@ class PhaseClock:
     def line(self, what: str) -> str:
         """E.g. ``first step 121.3 s: data 0.1 s, forward 40.2 s, backward 35.0 s, optimizer step 46.0 s``,
         then on CUDA ``(peak memory after each: forward 30.1 GiB, backward 41.0 GiB, ...)``."""
-        parts = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
-        text = f"{what} {sum(self.seconds.values()):.1f} s: {parts}"
+        text = self._timer.line(what)
         if self.peak_gib:
             peaks = ", ".join(f"{phase} {gib:.1f} GiB" for phase, gib in self.peak_gib.items())
             text += f" (peak memory after each: {peaks})"
