@@ -133,6 +133,10 @@ def nam52() -> Config:
     cfg.train.batch_size = 4
     cfg.train.steps = 50000
     cfg.train.out_dir = "runs/nam52"
+    # A save takes 58-80 s on 4 H200s (gathering 27 GB of fp32 weights to rank 0, which writes and hashes them;
+    # BENCHMARKS.md J4) against ~0.6 s a step: every 200 steps, the default, that was ~50% more time; every
+    # 1,000 it is ~10-13%, at most ~10 minutes of training lost to a crash.
+    cfg.train.ckpt_every = 1000
     # 6.5B parameters: keeping every gathered block resident would cost ~26 GB of fp32 weights per GPU.
     cfg.dist.reshard_after_forward = True
     cfg.data.vocab_size = 65536
