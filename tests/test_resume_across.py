@@ -2,6 +2,7 @@
 `tiny` run on 2 ranks resumed on 1 and back on 2 continues the uninterrupted run."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -31,6 +32,12 @@ def _resume_stages(tmp_path, plan: list[str], batch: int, timeout: float) -> lis
     result = tool(["--out", str(tmp_path / "ra"), "--preset", "tiny", "--cpu", "--batch", str(batch), *plan, "--",
                    *extra], timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    straight = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ra" / "straight" / "metrics.jsonl")
+                                                     .read_text().splitlines()) if r["kind"] == "train"}
+    for step, loss in straight.items():  # the per-step table opens each row with the straight run's loss
+        assert re.search(rf"^\| {step} \| {loss:.6f} \|", result.stdout, re.M), f"step {step} missing from the table"
+    assert re.search(r"^last validation bits/byte: straight [\d.]+, stage 1 [\d.]+, stage 2 [\d.]+$", result.stdout,
+                     re.M), result.stdout[-1500:]
     number = r"([\d.e+-]+)"
     row = rf"^\| (\d) \| (\d) x {batch} x (\d) \| (\d)-(\d) \| {number} \| {number} \| {number} \| (\w+) \|$"
     return re.findall(row, result.stdout, re.M)
@@ -85,3 +92,33 @@ def test_tier1_a_plan_that_cannot_keep_the_rows_or_the_stages_is_refused_in_one_
     result = tool(["--out", str(tmp_path / "ra"), *args], timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "ra").exists(), "refused before anything ran"
+
+
+@pytest.fixture(scope="module")
+def resume_across():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "runs"))
+    import resume_across
+
+    return resume_across
+
+
+def test_tier1_the_loss_table_shows_each_run_from_its_own_first_step_on(resume_across):
+    """Stage directories start as copies of the previous run, so their metrics hold its earlier steps too:
+    the table leaves those cells empty, so a drift is read from where each stage began."""
+    runs = {"straight": {1: 5.5, 2: 5.0, 3: 4.5, 4: 4.0},
+            "stage 1": {1: 5.5, 2: 5.0, 3: 4.5001, 4: 4.0003},
+            "stage 2": {1: 5.5, 2: 5.0, 3: 4.5001, 4: 4.0002}}
+    lines = resume_across.loss_table(runs, {"straight": 0, "stage 1": 2, "stage 2": 3})
+    assert lines == ["| step | straight | stage 1 | stage 2 |", "|---:|---:|---:|---:|",
+                     "| 1 | 5.500000 |  |  |", "| 2 | 5.000000 |  |  |", "| 3 | 4.500000 | 4.500100 |  |",
+                     "| 4 | 4.000000 | 4.000300 | 4.000200 |"]
+
+
+def test_tier1_last_validation_is_the_runs_last_val_record_or_none(resume_across, tmp_path):
+    records = [{"step": 3, "kind": "train", "loss": 4.0}, {"step": 3, "kind": "val", "val_bpb": 1.25},
+               {"step": 6, "kind": "train", "loss": 3.0}, {"step": 6, "kind": "val", "val_bpb": 1.125}]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert resume_across.last_validation(tmp_path / "run") == 1.125
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    assert resume_across.last_validation(tmp_path / "run") is None

@@ -16,7 +16,8 @@ micro-batch stays --batch and grad_accum makes up the rest, so every stage reads
 Printed per stage: the loss at its first step against the previous stage's at that step (the same
 weights, from that stage's checkpoint, and the same rows: equal but for the order of the ranks' sums),
 and the largest loss difference from the straight run over its steps up to the next stage's start (from
-stage 2 on the weights also carry the earlier stages' rounding). Exit status 1 when a launch fails or a
+stage 2 on the weights also carry the earlier stages' rounding); then every run's loss at each step it trained
+and its last validation bits/byte. Exit status 1 when a launch fails or a
 stage's first-step loss differs by more than --first-step-rtol (another token stream, or weights that did
 not load). `--set-at GPUS:KEY=VALUE` (repeatable) gives every launch on that many GPUs one more setting, e.g.
 a layout only that world size can take (expert parallelism 4 needs a multiple of 4 ranks); the arguments
@@ -126,6 +127,24 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run_metrics(run_dir) if r["kind"] == "train"}
 
 
+def last_validation(run_dir: Path) -> float | None:
+    """The run's last validation bits per byte, None where it logged none."""
+    found = [r["val_bpb"] for r in run_metrics(run_dir) if r["kind"] == "val" and "val_bpb" in r]
+    return found[-1] if found else None
+
+
+def loss_table(runs: dict[str, dict[int, float]], starts: dict[str, int]) -> list[str]:
+    """Markdown rows of every run's loss at each step it trained (from `starts[name] + 1`), the straight run's
+    first: where a drift from it began and how it grew, which the stages' largest differences do not show."""
+    names = list(runs)
+    steps = sorted({step for losses_ in runs.values() for step in losses_})
+    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for step in steps:
+        cells = [f"{runs[n][step]:.6f}" if step in runs[n] and step > starts[n] else "" for n in names]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def cut_to(run_dir: Path, step: int) -> None:
     """Leave the run as it was at `step`: later checkpoints and metrics records go."""
     for ckpt in (run_dir / "checkpoints").iterdir():
@@ -147,6 +166,7 @@ def main(argv: list[str]) -> int:
     reference = losses(straight)
     previous, before, failed = straight, reference, False
     rows = []
+    runs, starts, dirs = {"straight": reference}, {"straight": 0}, {"straight": straight}
     for stage, gpus in enumerate(args.gpus[1:], start=1):
         start = stage * args.every
         run_dir = args.out / f"stage{stage}"
@@ -171,12 +191,18 @@ def main(argv: list[str]) -> int:
               f"{got[start + 1]:.6f} against the previous stage's {before[start + 1]:.6f} (|diff| {first:.2e}); "
               f"largest |diff| from the straight run to step {end} {worst:.2e}; {seconds:.0f} s", flush=True)
         previous, before = run_dir, got
+        runs[f"stage {stage}"], starts[f"stage {stage}"], dirs[f"stage {stage}"] = got, start, run_dir
     print("\n| stage | GPUs x batch x accum | steps | first-step loss, previous stage | its \\|diff\\| |"
           " largest \\|diff\\| from straight | same rows |")
     print("|---|---|---|---:|---:|---:|---|")
     for stage, gpus, accum, start, end, ref, first, worst, same, _ in rows:
         print(f"| {stage} | {gpus} x {args.batch} x {accum} | {start + 1}-{end} | {ref:.6f} | {first:.2e} | "
               f"{worst:.2e} | {'yes' if same else 'NO'} |")
+    print("\nLoss per step (each stage from its first step on):")
+    print("\n".join(loss_table(runs, starts)))
+    finals = {name: last_validation(run_dir) for name, run_dir in dirs.items()}
+    print("last validation bits/byte: " + ", ".join(
+        f"{name} {'none logged' if bpb is None else f'{bpb:.4f}'}" for name, bpb in finals.items()))
     return 1 if failed else 0
 
 
