@@ -212,6 +212,86 @@ def test_tier1_files_hashed_side_by_side_keep_each_files_own_digest(tmp_path):
     assert _sha256_each(paths[::-1]) == expected[::-1]
 
 
+@pytest.mark.parametrize("block", [3, 7, 4096, 65536])
+def test_tier1_block_digests_are_the_sha256_of_each_blocks_sha256(tmp_path, block):
+    """Written out with hashlib over slices of the bytes: odd file sizes, a short last block, an empty file
+    (the sha256 of no digests), a file shorter than one block, and several files whose blocks are hashed
+    together."""
+    from megacpp.runtime.checkpoint import block_digests
+
+    gen = torch.Generator().manual_seed(block)
+    paths, expected = [], []
+    for i, size in enumerate([0, 1, 7, 4099, 70001]):
+        data = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).numpy().tobytes()
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(data)
+        tree = b"".join(hashlib.sha256(data[at:at + block]).digest() for at in range(0, size, block))
+        expected.append(hashlib.sha256(tree).hexdigest())
+    assert block_digests(paths, block) == expected
+    assert block_digests(paths[::-1], block) == expected[::-1]
+
+
+def test_tier1_a_byte_changed_in_any_block_is_found(tmp_path, monkeypatch):
+    """With blocks of 32 bytes the weights file spans several; a byte flipped in its last block only (the
+    first ones unchanged) still fails verification, and meta.json records the block size it was hashed with."""
+    from megacpp.runtime import checkpoint
+
+    monkeypatch.setattr(checkpoint, "HASH_BLOCK_BYTES", 32)
+    path = _save(tmp_path, 3)
+    meta = json.loads((path / "meta.json").read_text())
+    weights = path / "model.safetensors"
+    assert meta["format"] == 4 and meta["hash_block_bytes"] == 32 and weights.stat().st_size > 3 * 32
+    monkeypatch.setattr(checkpoint, "HASH_BLOCK_BYTES", 1 << 28)  # verification reads the size from meta.json
+    assert load_checkpoint(path)[2]["step"] == 3
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: corrupt \(sha256_blocks does not match"):
+        load_checkpoint(path)
+
+
+def _as_format3(path) -> None:
+    """Rewrite a checkpoint's meta.json as megacpp wrote format 3: each file's sha256 over its whole bytes,
+    no block size, the meta's own checksum sealed again."""
+    from megacpp.runtime.checkpoint import _meta_digest
+
+    meta = json.loads((path / "meta.json").read_text())
+    meta = {k: v for k, v in meta.items() if k not in ("hash_block_bytes", "meta_sha256")}
+    meta["format"] = 3
+    meta["files"] = {name: {"bytes": entry["bytes"], "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
+                     for name, entry in meta["files"].items()}
+    meta["meta_sha256"] = _meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_tier1_a_format3_checkpoint_hashed_whole_still_verifies_and_loads(tmp_path):
+    path = _save(tmp_path, 6)
+    _as_format3(path)
+    model, state, meta = load_checkpoint(path)
+    assert meta["format"] == 3 and torch.equal(model["weight"], torch.full((3, 4), 6.0)) and state["step"] == 6
+    assert latest_valid_checkpoint(tmp_path) == path
+    data = bytearray((path / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"state.pt: corrupt \(sha256 does not match"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("block_bytes", [None, 0, -64, "64", 1.5])
+def test_tier1_a_format4_meta_without_a_positive_block_size_is_corrupt_metadata(tmp_path, block_bytes):
+    from megacpp.runtime.checkpoint import _meta_digest
+
+    path = _save(tmp_path, 2)
+    meta = json.loads((path / "meta.json").read_text())
+    meta = {k: v for k, v in meta.items() if k not in ("hash_block_bytes", "meta_sha256")}
+    if block_bytes is not None:
+        meta["hash_block_bytes"] = block_bytes
+    meta["meta_sha256"] = _meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"corrupt metadata \(.hash_block_bytes. is .*a positive integer"):
+        load_checkpoint(path)
+
+
 def test_tier1_a_save_logs_one_line_with_each_phases_time(tmp_path):
     lines = []
     path = dist_checkpoint.save(DistContext(), tmp_path, 5, _model(5), _moments(5), {"step": 5},

@@ -8,8 +8,9 @@
 2. Rank 0 writing a checkpoint's weights (megacpp.runtime.checkpoint.write_local_files): fresh fp32
    tensors of 64 MiB, --files-gib / 2 in all, as a sharded run's gathered weights arrive.
 3. Hashing a checkpoint's files: one file of weights and one file of moments per rank (--ranks),
-   --files-gib in all, hashed one after another and side by side, from the page cache (each is read once
-   first). The files of 2 and 3 are written under --dir and removed after.
+   --files-gib in all, from the page cache (each is read once first): each file whole, one after another
+   and side by side (formats 2 and 3), then every file's blocks side by side (format 4's digests).
+   The files of 2 and 3 are written under --dir and removed after.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 from megacpp.model.hybrid import HybridLM
 from megacpp.presets import preset
-from megacpp.runtime.checkpoint import _sha256, _sha256_each, write_local_files
+from megacpp.runtime.checkpoint import HASH_BLOCK_BYTES, _sha256, _sha256_each, block_digests, write_local_files
 from megacpp.runtime.model_build import build_model
 
 
@@ -73,9 +74,12 @@ def time_hashes(files_gib: float, ranks: int, where: Path) -> None:
     side_by_side = _sha256_each(paths)
     end = time.perf_counter()
     assert serial == side_by_side
+    block_digests(paths)
+    blocks = time.perf_counter() - end
     total = sum(p.stat().st_size for p in paths) / 2**30
     print(f"hash {len(paths)} files, {total:.1f} GiB, {os.cpu_count()} cores: one after another "
-          f"{middle - start:.2f} s, side by side {end - middle:.2f} s", flush=True)
+          f"{middle - start:.2f} s, side by side {end - middle:.2f} s (formats 2-3: each file whole), in "
+          f"{HASH_BLOCK_BYTES >> 20} MiB blocks side by side {blocks:.2f} s (format 4)", flush=True)
 
 
 def main() -> None:

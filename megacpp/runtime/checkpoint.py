@@ -8,9 +8,11 @@ Layout of ``<out_dir>/checkpoints/step_00000100/``:
 - ``state.pt``           schedule, loader, RNG states, step, losses (torch.save, weights_only-loadable)
 - extra files            e.g. ``tokenizer.json``, so the directory alone can be sampled from
 - ``meta.json``          config, tokenizer hash, determinism mode, versions, world size and global
-                         batch, and the size and sha256 of each file above. Written last: a directory
-                         without it is incomplete. Its own field ``meta_sha256`` covers the canonical
-                         JSON of the rest, so an edited or damaged meta.json is detected too.
+                         batch, and the size and digest of each file above (``sha256_blocks``: the sha256
+                         of the sha256 digests of the file's consecutive ``hash_block_bytes`` blocks, so
+                         one large file hashes on every core). Written last: a directory without it is
+                         incomplete. Its own field ``meta_sha256`` covers the canonical JSON of the rest,
+                         so an edited or damaged meta.json is detected too.
 
 The directory is built under a ``.tmp`` name and renamed into place, so a crash mid-write never leaves
 something that looks like a checkpoint. Writing it is `megacpp.distributed.checkpoint.save` (every rank takes
@@ -35,8 +37,12 @@ from megacpp.errors import MegacppError
 from megacpp.fs import replace_dir
 
 CKPT_DIR_RE = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 3  # 3: meta.json carries its own checksum; 2: optimizer moments by name in optim/
-READABLE_FORMATS = (2, 3)  # format 2 is format 3 without meta_sha256
+# 4: files hashed by blocks (sha256_blocks); 3: meta.json carries its own checksum; 2: optimizer moments by name
+FORMAT_VERSION = 4
+READABLE_FORMATS = (2, 3, 4)  # 3 and 2 hash each file whole (sha256); 2 has no meta_sha256
+# nam52's 27 GB of weights in one file took one thread ~15 s to hash (sha256 runs at ~1.8 GB/s a thread); in
+# blocks of 256 MiB, ~100 of them, the host's cores hash it side by side.
+HASH_BLOCK_BYTES = 1 << 28
 MOMENTS_DIR = "optim"
 
 
@@ -53,13 +59,39 @@ def _sha256(path: Path) -> str:
 
 
 def _sha256_each(paths: list[Path]) -> list[str]:
-    """`_sha256` of each path, the files hashed side by side: hashlib and file reads release the GIL, and a
-    sharded run's checkpoint is one file of weights plus one file of moments per rank (tens of GB for
-    `nam52`), which one thread hashes at under 1.8 GB/s."""
+    """`_sha256` of each path (formats 2 and 3 hash each file whole), the files hashed side by side."""
     if len(paths) <= 1:
         return [_sha256(path) for path in paths]
     with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
         return list(pool.map(_sha256, paths))
+
+
+def _block_sha256(path: Path, offset: int, length: int) -> bytes:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(offset)
+        while length > 0:
+            chunk = f.read(min(1 << 20, length))
+            if not chunk:  # the file shrank meanwhile: its digest will not match
+                break
+            h.update(chunk)
+            length -= len(chunk)
+    return h.digest()
+
+
+def block_digests(paths: list[Path], block_bytes: int = HASH_BLOCK_BYTES) -> list[str]:
+    """Each file's ``sha256_blocks``: the sha256 of the raw sha256 digests of its consecutive `block_bytes`
+    blocks, the last one short (an empty file: of no digests). Every block of every file is hashed side by
+    side, as hashlib and file reads release the GIL."""
+    sizes = [path.stat().st_size for path in paths]
+    jobs = [(index, offset, min(block_bytes, size - offset))
+            for index, size in enumerate(sizes) for offset in range(0, size, block_bytes)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1, 32))) as pool:
+        digests = list(pool.map(lambda job: _block_sha256(paths[job[0]], job[1], job[2]), jobs))
+    per_file = [hashlib.sha256() for _ in paths]
+    for (index, _, _), digest in zip(jobs, digests, strict=True):
+        per_file[index].update(digest)
+    return [h.hexdigest() for h in per_file]
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -98,10 +130,11 @@ def _own_storages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_meta(tmp: Path, step: int, meta: dict[str, Any]) -> None:
     """Hash every file under `tmp` and write meta.json last: the checkpoint is complete once it exists."""
     names = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-    digests = _sha256_each([tmp / name for name in names])
-    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": digest}
+    digests = block_digests([tmp / name for name in names], HASH_BLOCK_BYTES)
+    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256_blocks": digest}
              for name, digest in zip(names, digests, strict=True)}
-    full_meta = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
+    full_meta = {"format": FORMAT_VERSION, "step": step, **meta, "hash_block_bytes": HASH_BLOCK_BYTES,
+                 "files": files}
     full_meta["meta_sha256"] = _meta_digest(full_meta)
     (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
 
@@ -224,17 +257,20 @@ def _meta_shape_problem(meta: dict[str, Any]) -> str | None:
     files = meta.get("files")
     if not isinstance(files, dict):
         return f"'files' is {files!r}, expected an object of file entries"
+    key = _digest_key(meta)
+    if key == "sha256_blocks" and not (type(meta.get("hash_block_bytes")) is int and meta["hash_block_bytes"] > 0):
+        return f"'hash_block_bytes' is {meta.get('hash_block_bytes')!r}, expected a positive integer"
     for name, entry in files.items():
         if not (isinstance(entry, dict) and type(entry.get("bytes")) is int
-                and isinstance(entry.get("sha256"), str)):
-            return f"files[{name!r}] is {entry!r}, expected {{\"bytes\": <int>, \"sha256\": <str>}}"
+                and isinstance(entry.get(key), str)):
+            return f"files[{name!r}] is {entry!r}, expected {{\"bytes\": <int>, \"{key}\": <str>}}"
     if not isinstance(meta.get("config"), dict):
         return f"'config' is {meta.get('config')!r}, expected an object"
     return None
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file's size and sha256 against meta.json; return the metadata."""
+    """Check every file's size and digest against meta.json; return the metadata."""
     path = Path(path)
     meta = read_meta(path)
     for name, expected in meta["files"].items():  # sizes first: cheap, and a truncated file needs no hash
@@ -245,10 +281,18 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         if size != expected["bytes"]:
             raise CheckpointError(f"{f}: truncated or overwritten ({size} bytes, expected {expected['bytes']})")
     names = list(meta["files"])
-    for name, digest in zip(names, _sha256_each([path / name for name in names]), strict=True):
-        if digest != meta["files"][name]["sha256"]:
-            raise CheckpointError(f"{path / name}: corrupt (sha256 does not match meta.json)")
+    key = _digest_key(meta)
+    paths = [path / name for name in names]
+    digests = block_digests(paths, meta["hash_block_bytes"]) if key == "sha256_blocks" else _sha256_each(paths)
+    for name, digest in zip(names, digests, strict=True):
+        if digest != meta["files"][name][key]:
+            raise CheckpointError(f"{path / name}: corrupt ({key} does not match meta.json)")
     return meta
+
+
+def _digest_key(meta: dict[str, Any]) -> str:
+    """The file entries' digest field: formats before 4 hash each file whole."""
+    return "sha256_blocks" if meta["format"] >= 4 else "sha256"
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
