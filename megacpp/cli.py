@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("eval", cmd_eval, "bits per byte of a checkpoint on the validation split")
     p.add_argument("--checkpoint", type=Path, help="checkpoint or run directory (default: train.out_dir)")
     p.add_argument("--batches", type=int, default=0,
-                   help="validation batches to evaluate (default 0: the whole split, the text the baselines cover)")
+                   help="validation batches to evaluate, each the run's optimizer step's rows, as training's "
+                        "train.eval_batches (default 0: the whole split, the text the baselines cover)")
     p.add_argument("--by-position", action="store_true",
                    help="also bits/byte by position in the document (1-64, 65-128, ... tokens of context): "
                    "a table, and JSON written to --out or RUN/position_curve-<checkpoint>.json")

@@ -251,6 +251,30 @@ def test_cli_eval_reports_bits_per_byte_from_checkpoint(tmp_path, small_corpus, 
     assert f"over {expected.tokens:,} tokens (" in out and "of the validation split)" in out
 
 
+def test_tier1_a_validation_batch_is_the_optimizer_steps_rows_in_training_and_in_eval(tmp_path, small_corpus, capsys):
+    """A run of 2 rows x 2 accumulated with `train.eval_batches` 2 evaluates 2 batches of 4 rows, its optimizer
+    step's (the text a run of 4 rows, or of 2 GPUs x 2, evaluates), and `megacpp eval --batches 2` on its
+    checkpoint covers the same tokens with the same figure. Before, a validation batch was train.batch_size rows:
+    the figure covered half that text, and another share of it after a resume on other GPUs."""
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.steps": "2", "train.ckpt_every": "2",
+                                                       "train.eval_every": "2", "train.batch_size": "2",
+                                                       "train.grad_accum": "2", "train.eval_batches": "2"})
+    _run(cfg)
+    (val,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
+    from megacpp.runtime.data import build_data
+
+    def tokens(batch_size: int) -> int:  # targets standing for bytes in 2 batches of a plain loader at batch_size
+        data = build_data(cfg.data, cfg.train.seed, batch_size, "cpu", _quiet, progress=False)
+        return sum(int((batch.target_bytes > 0).sum()) for batch in data.val_batches(2))
+
+    step_rows, micro_rows = tokens(4), tokens(2)
+    assert step_rows > micro_rows > 0  # the split is long enough for the two to differ
+    assert val["val_tokens"] == step_rows and val["val_whole_split"] is False
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"validation bits per byte: {val['val_bpb']:.4f} over {step_rows:,} tokens (" in out
+
+
 def test_the_runs_validation_figure_is_eval_figure_on_the_whole_split(tmp_path, small_corpus, capsys):
     """By default training evaluates the whole validation split, the text its baselines cover: the last
     figure of metrics.jsonl, the summary line and `megacpp eval` on the final checkpoint are one number

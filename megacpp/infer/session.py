@@ -32,6 +32,9 @@ class Session:
     checkpoint: Path
     device: torch.device
     trained_data_key: str | None = None  # the corpus and tokenizer the run trained on (its loader's key)
+    # Rows of the run's optimizer step over all its ranks (None: train.batch_size x train.grad_accum): a
+    # validation batch here is the one training evaluated, so `--batches N` covers training's N batches.
+    step_rows: int | None = None
     _data: DataBundle | None = field(default=None, repr=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -56,8 +59,14 @@ class Session:
         """The checkpoint's data with its own tokenizer, built on first use."""
         if self._data is None:
             data_cfg = dataclasses.replace(self.config.data, tokenizer_path=str(self.checkpoint / "tokenizer.json"))
-            self._data = build_data(data_cfg, self.config.train.seed, self.config.train.batch_size, self.device)
+            train = self.config.train
+            self._data = build_data(data_cfg, train.seed, train.batch_size, self.device,
+                                    val_batch_size=self.step_rows or train.batch_size * train.grad_accum)
         return self._data
+
+    def _micro_batch(self) -> int:
+        """Rows per forward: the training's micro-batch (a validation batch holds a whole step's rows)."""
+        return self.config.train.micro_batch or self.config.train.batch_size
 
     def data_changed(self) -> str | None:
         """A line saying the corpus is not the one the run trained on (its files changed since), or None."""
@@ -72,14 +81,13 @@ class Session:
         """Bits per byte on the whole validation split (or its first `batches` batches), and the baselines
         of the split."""
         data = self.data()
-        return evaluate_bpb(self.model, data, self.device, batches), data.baselines
+        return evaluate_bpb(self.model, data, self.device, batches, micro_batch=self._micro_batch()), data.baselines
 
     def position_curve(self, batches: int, context_window: int | None = None) -> PositionCurve:
         """Bits per byte by position in the document over the same batches as `evaluate`, in the training's
         micro-batches (a row of 65,536 tokens has logits of 8 GiB in fp32 at a 32K vocabulary); with
         `context_window`, each document read in windows of that many tokens."""
-        return position_curve(self.model, self.data(), self.device, batches, self.config.train.micro_batch or None,
-                              context_window)
+        return position_curve(self.model, self.data(), self.device, batches, self._micro_batch(), context_window)
 
     def cpp_syntax(self, n: int, compiler: Compiler, max_new_tokens: int, context: int, timeout_s: float
                    ) -> SyntaxReport:
@@ -100,4 +108,5 @@ def load_session(path: str | Path, cfg: Config) -> Session:
     model.load_state_dict(model_state)
     model.eval()
     tokenizer = CodeTokenizer.from_file(ckpt / "tokenizer.json")
-    return Session(model, tokenizer, config, ckpt, device, train_state.get("loader", {}).get("data_key"))
+    step_rows = meta.get("global_batch", config.train.batch_size) * config.train.grad_accum
+    return Session(model, tokenizer, config, ckpt, device, train_state.get("loader", {}).get("data_key"), step_rows)

@@ -29,6 +29,9 @@ class DataBundle:
     baselines: Baselines
     rank: int = 0
     world_size: int = 1
+    # Rows this rank evaluates per validation batch (None: batch_size). Training gives its rows of an optimizer
+    # step, so that a validation batch is the step's rows in every layout that keeps them (GPUs x batch x accum).
+    val_batch_size: int | None = None
 
     @property
     def tokenizer_hash(self) -> str:
@@ -39,7 +42,8 @@ class DataBundle:
 
     def val_batches(self, max_batches: int = 0) -> Iterator[ValBatch]:
         """The same fixed validation batches on every call: this rank's rows of `max_batches` global
-        batches (the same number of batches on every rank); 0: every row of the split."""
+        batches of `world_size` x `val_batch_size` rows (the same number of batches on every rank); 0: every
+        row of the split."""
         return iter(self._val_loader(max_batches))
 
     def covers_whole_val_split(self, max_batches: int) -> bool:
@@ -48,15 +52,16 @@ class DataBundle:
         return loader.num_rows == loader.rows_per_epoch
 
     def _val_loader(self, max_batches: int) -> ValLoader:
-        return ValLoader(self.shards, self.batch_size, self.seq_len, num_batches=max_batches or None,
-                         rank=self.rank, world_size=self.world_size, device=self.device,
-                         pin_memory=self.device.type == "cuda")
+        return ValLoader(self.shards, self.val_batch_size or self.batch_size, self.seq_len,
+                         num_batches=max_batches or None, rank=self.rank, world_size=self.world_size,
+                         device=self.device, pin_memory=self.device.type == "cuda")
 
 
 def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device | str,
                log: Callable[[str], None] = print, progress: bool = True,
-               rank: int = 0, world_size: int = 1) -> DataBundle:
-    """Discover, tokenize (cached) and wrap the corpus in loaders for this rank."""
+               rank: int = 0, world_size: int = 1, val_batch_size: int | None = None) -> DataBundle:
+    """Discover, tokenize (cached) and wrap the corpus in loaders for this rank; each validation batch
+    holds `val_batch_size` rows per rank (None: `batch_size`)."""
     prepared = prepare_data(cfg, progress=progress, log=log)
     device = torch.device(device)
     try:
@@ -69,7 +74,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     except ValueError as exc:  # before any training: not at the first evaluation
         raise CorpusError(f"{exc} (corpus: {prepared.corpus.summary().splitlines()[0]})") from exc
     return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
-                      prepared.baselines, rank, world_size)
+                      prepared.baselines, rank, world_size, val_batch_size)
 
 
 def _tokenizer_out(out: Path) -> Path:

@@ -38,8 +38,9 @@ class TrainConfig(ConfigSection):
     out_dir: str = "runs/tiny"
     overwrite: bool = False  # start over in an out_dir holding a run: its files move to previous-<time>/
     eval_every: int = 100
-    # Validation batches per evaluation; 0 = the whole validation split, the text the baselines beside
-    # the figure were measured on (a subset's figure says which share of the split it covers).
+    # Validation batches per evaluation, each an optimizer step's rows (ranks x batch_size x grad_accum); 0 = the
+    # whole validation split, the text the baselines beside the figure were measured on (a subset's figure
+    # says which share of the split it covers).
     eval_batches: int = 0
     log_every: int = 1  # a JSON line per step is cheap, and the plot's moving average needs the points
     ckpt_every: int = 200

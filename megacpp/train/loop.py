@@ -131,8 +131,10 @@ class Trainer:
         seed_everything(tc.seed)
         # Before the data (which may take minutes): the tokenizer's vocabulary is data.vocab_size.
         check_model_fits(trained_config(self.cfg, self.cfg.data.vocab_size).model, self.device)
+        # A validation batch is an optimizer step's rows, so `train.eval_batches` covers the same text on any
+        # number of GPUs that keeps them (a resume on 2 GPUs x 2 accumulated of a run on 4).
         self.data = build_data(self.cfg.data, tc.seed, tc.batch_size, self.device, self.log, self.progress,
-                               rank=ctx.rank, world_size=ctx.world_size)
+                               rank=ctx.rank, world_size=ctx.world_size, val_batch_size=tc.batch_size * tc.grad_accum)
         self.cfg = trained_config(self.cfg, self.data.tokenizer.vocab_size)
         self.batch = BatchPlan.of(self.cfg, ctx.world_size)
         torch.manual_seed(tc.seed)  # model init draws from a fixed point, whatever the data step drew
