@@ -119,6 +119,11 @@ def nam52() -> Config:
     # Value width 16, as `small` and MegaCpp's own M2RNN: on an H100 at these shapes the R sublayer takes 7.2 ms
     # against 11.7 at 64 (BENCHMARKS.md, nam52's shapes, N3).
     m.rnn.n_heads, m.rnn.key_dim, m.rnn.value_dim = 16, 64, 16
+    # R's W kept at spectral norm <= 1, as `small`: cut to depth 12 on one H200 (300 steps of 4 x 4096) Muon pushed
+    # every head's W past 1 at every step (all 16 capped), the mechanism behind `small`'s R spikes at 8192 tokens;
+    # the cap cost 0.3% of the step (99,333 against 99,613 tok/s), with 0.6191 against 0.6275 bits/byte at step
+    # 300 and the gradient spikes of both runs starting in M and A blocks, not R (BENCHMARKS.md, Q4).
+    m.rnn.w_spectral_cap = 1.0
     # bf16 scan operands and the fused Triton scan on CUDA, as `small` (the reference on CPU): on an H100 at these
     # shapes the compiled M sublayer takes 10.1 ms against 22.7 with fp32 operands and the reference scan, and
     # 25.6 with fp32 operands and the Triton scan (N3).
