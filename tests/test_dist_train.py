@@ -73,6 +73,11 @@ def test_smoke_two_ranks_train_the_tiny_preset_with_a_checkpoint(tmp_path, corpu
     assert meta["world_size"] == 2 and meta["global_batch"] == 4
     assert (out / "logs" / "rank0.log").is_file() and (out / "logs" / "rank1.log").is_file()
     assert (out / "sample.txt").is_file() and len(losses(out)) == 4
+    # `megacpp eval --batches 2` on one process covers training's 2 validation batches of the 2 ranks' rows: the
+    # same tokens and figure (before, its batches were one rank's rows: half the text)
+    (val,) = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "val"]
+    evaluated = python(["-m", "megacpp.cli", "eval", "--checkpoint", str(out), "--batches", "2"]).check()
+    assert f"validation bits per byte: {val['val_bpb']:.4f} over {val['val_tokens']:,} tokens (" in evaluated.output
 
 
 def test_two_hosts_of_one_rank_each_with_their_own_data_caches(tmp_path, corpus):
