@@ -12,6 +12,7 @@ from megacpp.cli import main
 from megacpp.config import Config
 from megacpp.data.baselines import BASELINES_FILE
 from megacpp.runtime.checkpoint import list_checkpoints
+from megacpp.runtime.data import build_data
 from megacpp.train.guards import NonFiniteLossError
 from megacpp.train.loop import Trainer
 from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics
@@ -261,7 +262,6 @@ def test_tier1_a_validation_batch_is_the_optimizer_steps_rows_in_training_and_in
                                                        "train.grad_accum": "2", "train.eval_batches": "2"})
     _run(cfg)
     (val,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "val"]
-    from megacpp.runtime.data import build_data
 
     def tokens(batch_size: int) -> int:  # targets standing for bytes in 2 batches of a plain loader at batch_size
         data = build_data(cfg.data, cfg.train.seed, batch_size, "cpu", _quiet, progress=False)
