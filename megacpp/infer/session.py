@@ -14,7 +14,7 @@ from megacpp.data.corpus import discover_corpus
 from megacpp.data.tokenizer import CodeTokenizer
 from megacpp.model.hybrid import HybridLM
 from megacpp.run_config import from_dict
-from megacpp.runtime.checkpoint import load_checkpoint, resolve_checkpoint
+from megacpp.runtime.checkpoint import load_checkpoint, resolve_checkpoint, saved_step_rows
 from megacpp.runtime.cpp_syntax import Compiler, SyntaxReport, check_completions
 from megacpp.runtime.data import DataBundle, build_data
 from megacpp.runtime.device import resolve_device
@@ -108,5 +108,5 @@ def load_session(path: str | Path, cfg: Config) -> Session:
     model.load_state_dict(model_state)
     model.eval()
     tokenizer = CodeTokenizer.from_file(ckpt / "tokenizer.json")
-    step_rows = meta.get("global_batch", config.train.batch_size) * config.train.grad_accum
-    return Session(model, tokenizer, config, ckpt, device, train_state.get("loader", {}).get("data_key"), step_rows)
+    return Session(model, tokenizer, config, ckpt, device, train_state.get("loader", {}).get("data_key"),
+                   saved_step_rows(meta, config.train.batch_size))

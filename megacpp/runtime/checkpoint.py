@@ -228,6 +228,13 @@ def _usable(path: Path) -> bool:
     return _remember(path, usable=True)
 
 
+def saved_step_rows(meta: dict[str, Any], default_global_batch: int) -> int:
+    """Rows of an optimizer step of the run that wrote `meta`: its global batch (ranks x batch_size) x its
+    grad_accum; `default_global_batch` for a checkpoint older than the global batch's record."""
+    accum = meta.get("config", {}).get("train", {}).get("grad_accum", 1)
+    return meta.get("global_batch", default_global_batch) * accum
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta_path = path / "meta.json"

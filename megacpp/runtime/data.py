@@ -27,11 +27,11 @@ class DataBundle:
     seq_len: int
     device: torch.device
     baselines: Baselines
+    # Rows this rank evaluates per validation batch. Training gives its rows of an optimizer step, so that a
+    # validation batch is the step's rows in every layout that keeps them (GPUs x batch x accum).
+    val_batch_size: int
     rank: int = 0
     world_size: int = 1
-    # Rows this rank evaluates per validation batch (None: batch_size). Training gives its rows of an optimizer
-    # step, so that a validation batch is the step's rows in every layout that keeps them (GPUs x batch x accum).
-    val_batch_size: int | None = None
 
     @property
     def tokenizer_hash(self) -> str:
@@ -52,7 +52,7 @@ class DataBundle:
         return loader.num_rows == loader.rows_per_epoch
 
     def _val_loader(self, max_batches: int) -> ValLoader:
-        return ValLoader(self.shards, self.val_batch_size or self.batch_size, self.seq_len,
+        return ValLoader(self.shards, self.val_batch_size, self.seq_len,
                          num_batches=max_batches or None, rank=self.rank, world_size=self.world_size,
                          device=self.device, pin_memory=self.device.type == "cuda")
 
@@ -74,7 +74,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, device: torch.device
     except ValueError as exc:  # before any training: not at the first evaluation
         raise CorpusError(f"{exc} (corpus: {prepared.corpus.summary().splitlines()[0]})") from exc
     return DataBundle(prepared.tokenizer, prepared.shards, loader, batch_size, cfg.seq_len, device,
-                      prepared.baselines, rank, world_size, val_batch_size)
+                      prepared.baselines, val_batch_size or batch_size, rank, world_size)
 
 
 def _tokenizer_out(out: Path) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 
 from megacpp.model.config import ModelConfig
 from megacpp.optim.config import OptimConfig
-from megacpp.runtime.checkpoint import CheckpointError
+from megacpp.runtime.checkpoint import CheckpointError, saved_step_rows
 
 
 def check_resume_settings(meta: dict[str, Any], config: dict[str, Any], world_size: int, where: Path
@@ -68,8 +68,7 @@ def rows_per_step(meta: dict[str, Any], config: dict[str, Any], world_size: int)
     epoch's end drops differ, fewer than one global batch."""
     train = config["train"]
     rows = world_size * train["batch_size"] * train["grad_accum"]
-    saved_accum = meta.get("config", {}).get("train", {}).get("grad_accum", 1)
-    return rows, meta.get("global_batch", world_size * train["batch_size"]) * saved_accum
+    return rows, saved_step_rows(meta, world_size * train["batch_size"])
 
 
 def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], tokenizer_hash: str, where: Path,
