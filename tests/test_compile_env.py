@@ -6,8 +6,9 @@ import os
 import pytest
 import torch._inductor.config
 
+import megacpp.compile.env as compile_env
 from megacpp.compile.config import CompileConfig
-from megacpp.compile.env import apply_env
+from megacpp.compile.env import PTXAS_VARIABLE, apply_env, torch_ptxas
 
 NCCL = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
 
@@ -15,9 +16,10 @@ NCCL = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
 @pytest.fixture(autouse=True)
 def restore(monkeypatch):
     for key in (*NCCL, "LOCAL_RANK", "TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
-                "TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC"):
+                "TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC", PTXAS_VARIABLE):
         monkeypatch.setenv(key, "")  # records the original state, restored after the test
         monkeypatch.delenv(key)
+    monkeypatch.setattr(compile_env, "torch_ptxas", lambda: None)  # a CPU wheel's torch: no ptxas of its own
     with torch._inductor.config.patch(max_autotune=True, max_autotune_gemm=True, autotune_in_subproc=True):
         yield
 
@@ -111,3 +113,36 @@ def test_autotune_off_unless_asked_and_in_a_subprocess_when_on(monkeypatch):
     assert apply_env(CompileConfig()).inductor["max_autotune_gemm"] is True
 
 
+
+
+def _executable(path, mode=0o755):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(mode)
+    return path
+
+
+def test_tier1_torch_ptxas_is_torch_bin_ptxas_when_executable(tmp_path):
+    assert torch_ptxas(tmp_path) is None  # no bin/ptxas
+    _executable(tmp_path / "bin" / "ptxas", mode=0o644)
+    assert torch_ptxas(tmp_path) is None  # there, not executable
+    (tmp_path / "bin" / "ptxas").chmod(0o755)
+    assert torch_ptxas(tmp_path) == tmp_path / "bin" / "ptxas"
+
+
+def test_tier1_triton_gets_torchs_ptxas_before_anything_compiles(monkeypatch, tmp_path):
+    ptxas = _executable(tmp_path / "bin" / "ptxas")
+    monkeypatch.setattr(compile_env, "torch_ptxas", lambda: ptxas)
+    env: dict[str, str] = {}
+    report = apply_env(environ=env)
+    assert env == {PTXAS_VARIABLE: str(ptxas)}
+    assert report.set == {PTXAS_VARIABLE: str(ptxas)} and report.kept == {}
+    assert f"set {PTXAS_VARIABLE}={ptxas}" in report.format()
+
+
+def test_tier1_a_users_ptxas_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_env, "torch_ptxas", lambda: _executable(tmp_path / "bin" / "ptxas"))
+    env = {PTXAS_VARIABLE: "/opt/cuda/bin/ptxas"}
+    report = apply_env(environ=env)
+    assert env == {PTXAS_VARIABLE: "/opt/cuda/bin/ptxas"}
+    assert report.kept == {PTXAS_VARIABLE: "/opt/cuda/bin/ptxas"} and report.set == {}

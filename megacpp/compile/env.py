@@ -7,12 +7,23 @@ the rank mid-compile, so unless the user set them: monitoring off and heartbeat 
 process-group timeout itself is ``dist.init_timeout_s`` (7200 s by default), passed to whoever creates
 the group; the report prints the value it is given. The NCCL variables are read when the process
 group is created: apply before ``init_process_group``.
+
+Triton's ptxas is pinned to the one torch ships (``TRITON_PTXAS_PATH``, unless the user set it), before
+anything compiles. Inductor makes that same choice, but only at its first Triton compile in the process
+itself, and Triton keys every kernel by the version of the ptxas it ran first. On torch 2.11+cu130 the
+trainer had keyed megacpp's kernels with Triton's bundled ptxas (12.8) while the kernel-prewarm helpers
+(megacpp/ops/kernel_prewarm.py), started after Inductor had pointed Triton at torch's (13.0), keyed theirs
+with that one; the first backward found none of the helpers' kernels and compiled them again: 9.3-13.5 s
+against 1.5-1.9 s with the pin, in cold `small` runs on an H200 (BENCHMARKS.md, C3).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from megacpp.compile.config import CompileConfig
 
@@ -20,6 +31,15 @@ TORCHRUN_DEFAULTS: dict[str, str] = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "7200",
 }
+
+PTXAS_VARIABLE = "TRITON_PTXAS_PATH"
+
+
+def torch_ptxas(torch_dir: Path | None = None) -> Path | None:
+    """The ptxas that ships with torch (``torch/bin/ptxas``), the one Inductor hands to Triton; None where the
+    wheel has none (CPU wheels) or it is not executable."""
+    ptxas = (Path(torch.__file__).parent if torch_dir is None else torch_dir) / "bin" / "ptxas"
+    return ptxas if ptxas.is_file() and os.access(ptxas, os.X_OK) else None
 
 
 @dataclass
@@ -42,8 +62,8 @@ class EnvReport:
 
 def apply_env(cfg: CompileConfig | None = None, environ: MutableMapping[str, str] | None = None,
               process_group_timeout_s: float | None = None) -> EnvReport:
-    """Apply the Inductor autotune defaults and, under torchrun (LOCAL_RANK set), the NCCL defaults.
-    ``process_group_timeout_s`` (the run's dist.init_timeout_s) is only reported."""
+    """Apply the Inductor autotune defaults, torch's ptxas for Triton and, under torchrun (LOCAL_RANK set), the
+    NCCL defaults. ``process_group_timeout_s`` (the run's dist.init_timeout_s) is only reported."""
     import torch._inductor.config as inductor_config
 
     cfg = cfg or CompileConfig()
@@ -56,6 +76,10 @@ def apply_env(cfg: CompileConfig | None = None, environ: MutableMapping[str, str
             else:
                 env[key] = value
                 report.set[key] = value
+    if env.get(PTXAS_VARIABLE):
+        report.kept[PTXAS_VARIABLE] = env[PTXAS_VARIABLE]
+    elif (ptxas := torch_ptxas()) is not None:
+        env[PTXAS_VARIABLE] = report.set[PTXAS_VARIABLE] = str(ptxas)
     # "asked" = the config or the user's own Inductor variable, which Inductor read at import.
     autotune = cfg.max_autotune or env.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "1"
     autotune_gemm = autotune or env.get("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM") == "1"

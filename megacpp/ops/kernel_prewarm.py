@@ -8,11 +8,12 @@ backward reads the forward's inputs with their layouts and allocates the rest it
 forward, the op describes its backward's launches (shapes, strides, dtypes and 16-byte alignment of the
 real tensors), and a helper process compiles each with `JITFunction.warmup` on meta tensors of that
 description: the same specialization, hence the same entry in Triton's on-disk cache (the directory the
-trainer's launches use), where the real launch then finds it. A process, not threads: compiled in the
-trainer's own threads the kernels halved the backward (7.5 against 14.3-18.0 s) but Triton's Python
-front end took the GIL from the trainer's compile, and the forward grew by 3 s (W1). A description that
-differs from the real launch (an unforeseen layout) costs only the helper's time: the real launch
-compiles as it would have.
+trainer's launches use), where the real launch then finds it. Those keys hold the version of the ptxas
+Triton runs too, which compile/env.py pins at entry for every process of a run. A process, not threads:
+compiled in the trainer's own threads the kernels halved the backward (7.5 against 14.3-18.0 s) but
+Triton's Python front end took the GIL from the trainer's compile, and the forward grew by 3 s (W1). A
+description that differs from the real launch (an unforeseen layout) costs only the helper's time: the
+real launch compiles as it would have.
 
 A backward that starts while its helper is still compiling compiles the kernels it needs itself, beside
 the helper, as without one. Waiting for the helper instead was measured and is slower: R's helper starts
