@@ -261,3 +261,18 @@ def test_tier1_the_kernel_modules_fix_their_cache_keys_at_import():
     for module in (mamba3_triton, m2rnn_triton, m2rnn_triton_fast, mamba3_angles):
         own = [v for v in vars(module).values() if isinstance(v, JITFunction) and v.__module__ == module.__name__]
         assert own and all(v.hash is not None for v in own), module.__name__
+
+
+def test_tier1_no_helpers_where_no_backward_follows_and_again_after(monkeypatch):
+    monkeypatch.delenv(kernel_prewarm.ENV_SWITCH, raising=False)
+    cuda = torch.device("cuda", 0)
+    with kernel_prewarm.no_backward_follows():
+        assert not kernel_prewarm.enabled(cuda)
+        with kernel_prewarm.no_backward_follows():
+            assert not kernel_prewarm.enabled(cuda)
+        assert not kernel_prewarm.enabled(cuda)  # the inner block's end keeps the outer one's setting
+        assert kernel_prewarm.warm_in_background("op", [torch.zeros(2)], cuda, lambda: 1 / 0) is None
+    assert kernel_prewarm.enabled(cuda)
+    with pytest.raises(RuntimeError, match="inside"), kernel_prewarm.no_backward_follows():
+        raise RuntimeError("inside")
+    assert kernel_prewarm.enabled(cuda)

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from megacpp.cli import main
 from megacpp.config import Config
 from megacpp.infer.session import load_session
+from megacpp.ops import kernel_prewarm
 from megacpp.runtime.evaluate import evaluate_bpb
+from megacpp.runtime.generate import generate_tokens
 from megacpp.runtime.position_curve import (
     bucket_bounds,
     context_positions,
@@ -195,3 +197,31 @@ def test_out_without_by_position_is_one_line(run, capsys):
     assert main(["eval", "--checkpoint", str(run), "--out", "x.json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out x.json: only --by-position writes a file" in err
+
+
+def test_tier1_evaluation_the_curve_and_generation_start_no_kernel_helpers(run, monkeypatch):
+    """No backward follows these forwards, so the ops must not start helpers compiling the backward's kernels
+    for their layouts (`kernel_prewarm.no_backward_follows`): every forward in them finds the prewarm off for
+    a CUDA device, where a plain forward (training's) finds it on."""
+    monkeypatch.delenv(kernel_prewarm.ENV_SWITCH, raising=False)
+    session = load_session(run, Config())
+    model, data = session.model, session.data()
+    cuda = torch.device("cuda", 0)
+    seen: list[tuple[str, bool]] = []
+    model.register_forward_pre_hook(lambda *_: seen.append(("forward", kernel_prewarm.enabled(cuda))))
+    for name in ("prefill", "forward_step"):
+        original = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda *a, _f=original, _n=name, **k: (
+            seen.append((_n, kernel_prewarm.enabled(cuda))), _f(*a, **k))[1])
+    batch = next(iter(data.val_batches(1)))
+    with torch.no_grad():
+        model(batch.inputs, doc_ids=batch.doc_ids)
+    assert seen == [("forward", True)]
+    seen.clear()
+    evaluate_bpb(model, data, session.device, max_batches=1)
+    position_curve(model, data, session.device, 1)
+    tokens = list(generate_tokens(model, [data.shards.bos_id], max_new_tokens=3, temperature=0.0, top_k=0))
+    assert len(tokens) == 3 and len(seen) >= 5
+    assert {name for name, _ in seen} == {"forward", "prefill", "forward_step"}
+    assert not any(on for _, on in seen)
+    assert kernel_prewarm.enabled(cuda)  # and on again after each

@@ -23,10 +23,16 @@ against 1.5-2.2 s in the runs before it (BENCHMARKS.md, B1 and B2). Each op's fi
 found (`note_helpers`: ready, or still compiling), and the trainer logs it after the first step
 (`outcomes`), with the logs of helpers that failed.
 
+An evaluation's or a generation's forward is never followed by its backward; within
+`no_backward_follows()` (evaluation, the position curve and generation, hence samples and the C++ syntax
+check, enter it) the ops start no helpers. The op cannot tell by itself: training's compiled forward runs
+with grad mode off too.
+
 Set ``MEGACPP_KERNEL_PREWARM=0`` to compile every kernel at its first launch instead.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -36,8 +42,9 @@ import tempfile
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +64,7 @@ _submitted: dict[Hashable, subprocess.Popen | None] = {}  # by (op name, layout)
 _per_name: dict[Hashable, int] = {}  # layouts submitted per op name
 _noted: set[str] = set()  # ops whose first backward has looked at their helpers
 _outcomes: dict[str, str] = {}  # what each op's first backward found, by the op's name
+_no_backward: ContextVar[bool] = ContextVar("megacpp_no_backward_follows", default=False)
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,21 @@ def run_launch(launch: Launch) -> Any:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether launches on `device` are prewarmed: CUDA only (Triton's interpreter compiles nothing), and
-    not switched off by the environment."""
-    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether launches on `device` are prewarmed: CUDA only (Triton's interpreter compiles nothing), not
+    switched off by the environment, and not within `no_backward_follows`."""
+    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0" and not _no_backward.get()
+
+
+@contextlib.contextmanager
+def no_backward_follows() -> Iterator[None]:
+    """Start no helpers within it (also a decorator; not around a ``yield``): for forwards that no backward
+    follows. A `small` run's evaluation at its end started three helpers on an H200, which compiled 8
+    backward kernels for its layouts on the host's cores, none of them ever launched (BENCHMARKS.md, C3)."""
+    token = _no_backward.set(True)
+    try:
+        yield
+    finally:
+        _no_backward.reset(token)
 
 
 def tensor_key(*tensors: torch.Tensor | None) -> tuple:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.model.hybrid import IGNORE_INDEX
+from megacpp.ops import kernel_prewarm
 from megacpp.runtime.data import DataBundle
 from megacpp.runtime.device import autocast_context
 
@@ -47,6 +48,7 @@ class Evaluation(NamedTuple):
 
 
 @torch.no_grad()
+@kernel_prewarm.no_backward_follows()
 def evaluate_bpb(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int = 0,
                  ctx: Ranks | None = None, micro_batch: int | None = None,
                  stop: Callable[[], bool] | None = None) -> Evaluation | None:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from megacpp.model.hybrid import HybridLM
+from megacpp.ops import kernel_prewarm
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator) -> Tensor:
@@ -56,7 +57,8 @@ def generate_tokens(
     # The whole prompt in one pass per block, then one step per new token: a 2,048-token prompt on the
     # `tiny` preset took 13.5 s against 104.7 s token by token (2 shared CPU cores; M2RNN's sequential
     # scan is most of what is left).
-    logits = model.prefill(torch.tensor([prompt], device=device), cache)
+    with kernel_prewarm.no_backward_follows():  # set around each call, never across a yield
+        logits = model.prefill(torch.tensor([prompt], device=device), cache)
     for _ in range(max_new_tokens):
         if stop is not None and stop():
             return
@@ -67,7 +69,8 @@ def generate_tokens(
         if token in stops:
             return
         yield token
-        logits = model.forward_step(nxt.view(1, 1), cache)
+        with kernel_prewarm.no_backward_follows():
+            logits = model.forward_step(nxt.view(1, 1), cache)
 
 
 def stream_text(tokenizer, token_ids: Iterator[int]) -> Iterator[str]:

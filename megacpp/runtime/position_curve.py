@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from megacpp.fs import atomic_write_text
 from megacpp.model.segments import document_segments
+from megacpp.ops import kernel_prewarm
 from megacpp.runtime.data import DataBundle
 from megacpp.runtime.device import autocast_context
 
@@ -108,6 +109,7 @@ class PositionCurve:
 
 
 @torch.no_grad()
+@kernel_prewarm.no_backward_follows()
 def position_curve(model: nn.Module, data: DataBundle, device: torch.device, max_batches: int,
                    micro_batch: int | None = None, context_window: int | None = None) -> PositionCurve:
     """The curve over `max_batches` validation batches (the batches `evaluate_bpb` reads), on one process;
