@@ -113,8 +113,6 @@ def test_autotune_off_unless_asked_and_in_a_subprocess_when_on(monkeypatch):
     assert apply_env(CompileConfig()).inductor["max_autotune_gemm"] is True
 
 
-
-
 def _executable(path, mode=0o755):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\n")
