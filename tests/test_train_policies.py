@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,40 @@ def test_the_profiled_window_starts_at_step_10_where_the_run_allows():
     with pytest.raises(ConfigError, match=r"train.profile_steps = 2: profiling 2 step\(s\) after the 2 warmup steps "
                                           r"needs train.steps >= 4"):
         load_config("tiny", None, [("train.profile_steps", "2"), ("train.steps", "3")])
+
+
+def test_tier1_a_profile_asks_kineto_to_detach_cupti_when_it_ends_unless_the_user_chose(monkeypatch, tmp_path):
+    """CUPTI left attached slowed every later step of `small` by about 10% (BENCHMARKS A8)."""
+    monkeypatch.setenv("TEARDOWN_CUPTI", "")  # records the variable's state before the test, to restore it
+    monkeypatch.delenv("TEARDOWN_CUPTI")
+    idle = StepProfiler(0, 100, tmp_path, _one_process(), print)
+    for step in range(1, 20):
+        idle.before_step(step)
+    assert "TEARDOWN_CUPTI" not in os.environ  # no profile, nothing set
+    profiler = StepProfiler(2, 100, tmp_path, _one_process(), print)
+    profiler.before_step(9)
+    assert "TEARDOWN_CUPTI" not in os.environ  # set as the profile starts, not before
+    profiler.before_step(10)
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    profiler.after_step(10, None)
+    assert profiler.after_step(11, None).first == 10 and profiler._profiler is None
+
+    class Profile:  # stands in for torch.profiler.profile where no GPU is
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    lines: list[str] = []
+    on_gpu = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    StepProfiler(2, 100, tmp_path, on_gpu, lines.append).before_step(10)
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+    assert lines == ["TEARDOWN_CUPTI=0 is set: CUPTI stays attached after the profile, and the steps after it run "
+                     "slower (about 10% on `small`); unset it to keep their speed"]
 
 
 def test_train_profile_steps_writes_a_trace_and_a_split_per_rank(tmp_path, small_corpus):
