@@ -81,6 +81,22 @@ def test_tier3_the_bound_is_above_the_spectral_norm_within_its_slack(shape: tupl
     assert spectral_norm_bound(torch.zeros(2, 4, 4))[0].eq(0).all()
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_tier3_the_bound_holds_at_far_scales_and_for_a_large_flat_spectrum(scale: float) -> None:
+    """Between rescalings the squarings run unscaled: a 512 x 512 orthogonal matrix (every eigenvalue of G
+    equal: the smallest top eigenvalue a rescaled G can have, n ** -0.5) and a spectrum spanning 1e-12..1,
+    at scales whose G^(2^20) unscaled would under- or overflow float64 many times over."""
+    g = torch.Generator().manual_seed(5)
+    orthogonal = torch.linalg.qr(torch.randn(1, 512, 512, generator=g, dtype=torch.float64))[0]
+    u, v = (torch.linalg.qr(torch.randn(1, 40, 40, generator=g, dtype=torch.float64))[0] for _ in range(2))
+    spread = u @ torch.diag_embed(torch.logspace(0, -12, 40, dtype=torch.float64)[None]) @ v
+    for w in (orthogonal * scale, spread * scale):
+        bound, slack = spectral_norm_bound(w)
+        exact = sigma_max(w)
+        assert torch.isfinite(bound).all() and slack <= 2e-6
+        assert (bound >= exact * (1 - 1e-12)).all() and (bound <= exact * (1 + slack) * (1 + 1e-12)).all()
+
+
 def test_tier1_cap_refuses_what_it_cannot_bound() -> None:
     with pytest.raises(ValueError, match="needs a matrix"):
         SpectralCap([CappedParam("b", torch.zeros(4), 1.0)])
