@@ -115,6 +115,28 @@ def test_tier1_a_job_that_exits_zero_has_no_ending_note(bench, tmp_path, monkeyp
     assert bench._ending("1", 12) == "exit 1 after step 12"
 
 
+def test_tier1_profiled_steps_are_left_out_of_the_timing_unless_they_are_all_there_is(bench, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Steps 4-6 are the second half; the profile covered 5-6 (a record per rank), so step 4 alone is timed
+    (100 ms); where the profile covered the whole half, those steps are timed and the line says so."""
+    def with_profile(name: str, first: int) -> None:
+        run = _run_dir(tmp_path / name, [16.0, 640.0, 320.0, 640.0, 64.0, 64.0], ranks=2)
+        profile = {"step": 6, "kind": "profile", "rank0": {"first": first, "last": 6},
+                   "rank1": {"first": first, "last": 6}}
+        text = (run / "metrics.jsonl").read_text().rsplit("\n", 1)[0]  # less the cut-short record
+        (run / "metrics.jsonl").write_text(text + "\n" + json.dumps(profile) + "\n")
+
+    monkeypatch.setattr(bench, "_torchrun", lambda *a: ("0", "", 9.0))
+    with_profile("small-2", first=5)
+    result = bench.run_variant("small-2", _args(tmp_path), {})
+    assert (result["step_ms"], result["tok_s_gpu"], result["timed_profiled"]) == (100.0, 320.0, False)
+    assert "profiled" not in capsys.readouterr().out
+    with_profile("small-2-fsdp", first=3)
+    result = bench.run_variant("small-2-fsdp", _args(tmp_path), {})
+    assert (result["step_ms"], result["tok_s_gpu"], result["timed_profiled"]) == (1000.0, 32.0, True)
+    assert "(timed on profiled steps only: the profiler slows them; run more steps)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("logged", [[], [16.0]])
 def test_tier1_a_job_with_fewer_than_two_steps_fails_with_its_logs_tail(bench, tmp_path, monkeypatch, capsys,
                                                                         logged):

@@ -15,9 +15,10 @@ Variants, by name:
     python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nanochat-1,nanochat-4,small-1,small-4
     python benchmarks/runs/bench_dist.py --out /tmp/bench_dist --variants nam52-ep4,nam52-ep8 --steps 12
 
-For each: tokens/s per GPU and MFU (median over the second half of the steps), step time, first-step
-time (compile), peak memory of rank 0, and the profile lines of its run (``--set train.profile_steps=3``
-asks for them: compute, exposed collectives and idle per rank; ``--set`` applies to megacpp's runs only).
+For each: tokens/s per GPU and MFU (median over the second half of the steps, less the profiled ones), step
+time, first-step time (compile), peak memory of rank 0, and the profile lines of its run
+(``--set train.profile_steps=3`` asks for them: compute, exposed collectives and idle per rank; ``--set``
+applies to megacpp's runs only).
 Then the scaling efficiencies it can form: per-GPU tokens/s of each several-GPU `small` or `nanochat`
 variant over the 1-GPU one at the same per-GPU batch,
 of small-2-b8 over small-1 (same global batch) and over small-1-b8 (the communication's share alone), and
@@ -95,7 +96,8 @@ def run_variant(name: str, args: argparse.Namespace, env: dict[str, str]) -> dic
 
 def run_figures(run_dir: Path, nproc: int) -> dict | None:
     """A run's figures from the steps its metrics.jsonl holds (the median over their second half, the
-    first step never among them: it is compile, not speed), or None when it logged fewer than two steps."""
+    first step never among them: it is compile, not speed, and no step `train.profile_steps` profiled
+    unless every one of that half was), or None when it logged fewer than two steps."""
     from megacpp.train.metrics import read_metrics
 
     metrics = run_dir / "metrics.jsonl"
@@ -103,10 +105,14 @@ def run_figures(run_dir: Path, nproc: int) -> dict | None:
     train = [r for r in records if r["kind"] == "train"]
     if len(train) < 2:
         return None
-    late = train[max(1, len(train) // 2):]
+    half = train[max(1, len(train) // 2):]
+    # The profiler slows the host while it records: `small`'s profiled steps took 123 ms against 101 (A8).
+    profiled = _profiled_steps(records)
+    late = [r for r in half if r["step"] not in profiled] or half
     tokens_per_step = _tokens_per_step(run_dir, nproc)
     return {
         "failed": False, "gpus": nproc, "steps": train[-1]["step"], "losses": [r["loss"] for r in train],
+        "timed_profiled": any(r["step"] in profiled for r in late),
         "first_step_s": tokens_per_step / train[0]["tok_per_s"],
         "step_ms": 1000 * statistics.median(tokens_per_step / r["tok_per_s"] for r in late),
         "tok_s_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in late),
@@ -115,6 +121,17 @@ def run_figures(run_dir: Path, nproc: int) -> dict | None:
         "val_bpb": next((r["val_bpb"] for r in records if r["kind"] == "val"), float("nan")),
         "first_steps": _first_step_lines(run_dir),
     }
+
+
+def _profiled_steps(records: list[dict]) -> set[int]:
+    """The steps a run's profile records (kind "profile", one entry per rank) say were profiled."""
+    steps: set[int] = set()
+    for record in records:
+        if record["kind"] == "profile":
+            for split in record.values():
+                if isinstance(split, dict) and "first" in split and "last" in split:
+                    steps.update(range(split["first"], split["last"] + 1))
+    return steps
 
 
 def _ending(code: str, steps: int) -> str:
@@ -163,7 +180,9 @@ def _reported(result: dict, mfu_convention: str = "") -> dict:
     print(f"{result['name']}: {result['gpus']} GPU(s), first step {result['first_step_s']:.1f} s, step "
           f"{result['step_ms']:.0f} ms, {result['tok_s_gpu']:,.0f} tok/s/GPU, MFU {100 * result['mfu']:.1f}%"
           f"{mfu_convention}, peak {result['peak_gib']:.1f} GiB, final loss {result['losses'][-1]:.4f}, "
-          f"wall {result['wall']:.0f} s" + (f" ({result['ended']})" if result["ended"] else ""), flush=True)
+          f"wall {result['wall']:.0f} s" + (f" ({result['ended']})" if result["ended"] else "")
+          + (" (timed on profiled steps only: the profiler slows them; run more steps)"
+             if result.get("timed_profiled") else ""), flush=True)
     return result
 
 
