@@ -49,7 +49,11 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
     the replicate test's (tests/test_dist_train.py): the ranks' gradients are summed in another order,
     and Muon's bf16 Newton-Schulz turns fp32 rounding into bf16 rounding (measured max 1.0e-3 here).
     Against 2 ranks without EP only the expert rows move differently (an all-to-all instead of a
-    reduction of the expert gradients): measured identical over these 8 steps, bounded at 1e-4."""
+    reduction of the expert gradients, so their fp32 sums run in another order): identical over these 8
+    steps on one CPU; on an AVX-512 one identical through step 5, then the first rounding difference grew
+    about 10x a step under Muon (loss 4.8e-6 apart at step 6, 6.6e-5 at step 8; the E norm 1.4e-5 relative
+    at step 6, 9.6e-4 at step 8). So the first 5 steps are held to rounding and all 8 to 1e-3, the bound of
+    the same amplification against one process."""
     extra = {"train.steps": "8"}
     single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **extra, **{"train.batch_size": "4"})])
     single.check()
@@ -60,12 +64,15 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
     assert len(one) == len(ep) == len(rep) == 8
     assert abs(one[0] - ep[0]) <= 1e-5
     assert max(abs(a - b) for a, b in zip(one, ep, strict=True)) <= 2e-3
-    assert max(abs(a - b) for a, b in zip(rep, ep, strict=True)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(rep[:5], ep[:5], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(rep, ep, strict=True)) <= 1e-3
     # The clip's global norm and the E part's and E block's norms add the expert squares over the expert
-    # group: the figures 2 ranks without EP log, to fp32 summation order (measured 2e-7 relative).
+    # group: the figures 2 ranks without EP log, to fp32 summation order (measured 2e-7 relative) while the
+    # weights agree to rounding (the first 5 steps; a missing or doubled square would be off at step 1).
     records = {name: [r for r in map(json.loads, (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines())
                       if r["kind"] == "train"] for name in ("ep", "rep")}
-    for a, b in zip(records["ep"], records["rep"], strict=True):
+    assert len(records["ep"]) == len(records["rep"]) == 8
+    for a, b in zip(records["ep"][:5], records["rep"][:5], strict=True):
         for value_a, value_b in ((a["grad_norm"], b["grad_norm"]), (a["grad_norm_E"], b["grad_norm_E"]),
                                  (a["block_grad_norms"]["1E"], b["block_grad_norms"]["1E"])):
             assert abs(value_a - value_b) <= 1e-5 * value_b
