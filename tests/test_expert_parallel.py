@@ -52,8 +52,8 @@ def test_tier3_two_expert_parallel_ranks_match_one_rank_and_replicate(tmp_path, 
     reduction of the expert gradients, so their fp32 sums run in another order): identical over these 8
     steps on one CPU; on an AVX-512 one identical through step 5, then the first rounding difference grew
     about 10x a step under Muon (loss 4.8e-6 apart at step 6, 6.6e-5 at step 8; the E norm 1.4e-5 relative
-    at step 6, 9.6e-4 at step 8). So the first 5 steps are held to rounding and all 8 to 1e-3, the bound of
-    the same amplification against one process."""
+    at step 6, 9.6e-4 at step 8). So the first 5 steps are held to rounding and all 8 to 1e-3, the size the
+    same amplification reaches against one process."""
     extra = {"train.steps": "8"}
     single = python(["-m", "megacpp.cli", *args(tmp_path / "one", corpus, **extra, **{"train.batch_size": "4"})])
     single.check()
