@@ -106,8 +106,16 @@ def _lr_scales_name_used_kinds(k: Keys) -> None:
                             "the `dense` preset is `small` with pattern AF and no factors)")
 
 
+def _cudagraphs_need_cuda(k: Keys) -> None:
+    """CUDA graphs exist only on CUDA: `on` with the CPU named is refused here, before the data work (a device
+    left auto is known only when the model is built, where megacpp.compile.cudagraphs checks it)."""
+    if k.value("compile.cudagraphs") == "on" and k.value("train.device") == "cpu":
+        raise k.error_among(("compile.cudagraphs", "train.device"),
+                            "CUDA graphs need a CUDA device (use auto or off)")
+
+
 RULES: tuple[Rule, ...] = (_seq_len_fits_rope, _mtp_within_seq_len, _seeds_sum, _schedule_fits_run,
-                           _lr_scales_name_used_kinds)
+                           _lr_scales_name_used_kinds, _cudagraphs_need_cuda)
 
 
 # ---------------------------------------------------------------- entry point

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from megacpp.rules import NON_NEGATIVE, ConfigSection, Interval
+from megacpp.rules import NON_NEGATIVE, ConfigSection, Interval, Keys
 
 CompileMode = Literal["none", "model", "blocks"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 OptimizerHelper = Literal["auto", "on", "off"]
 ModelHelper = Literal["on", "off"]
+CudaGraphs = Literal["auto", "on", "off"]
 MODES = get_args(CompileMode)
 BACKENDS = get_args(CompileBackend)
 
@@ -24,6 +25,9 @@ class CompileConfig(ConfigSection):
     max_recompiles_after_warmup: int = 0
     forbid_recompiles: bool = False  # after warmup any recompile raises at once, naming its guard
     fail_on_recompile_limit_hit: bool = True  # raise at the cap instead of running that frame eagerly forever
+    # Replay each compiled region as a CUDA graph (Inductor's CUDA graph trees, megacpp.compile.cudagraphs):
+    # auto = on for one CUDA process outside bitwise mode with the inductor backend.
+    cudagraphs: CudaGraphs = "auto"
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
     # Benchmark autotune choices in a subprocess, so a crashing candidate cannot kill training (only
     # matters once autotuning is on).
@@ -44,3 +48,11 @@ class CompileConfig(ConfigSection):
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
         return {"max_graph_breaks": NON_NEGATIVE, "max_recompiles_after_warmup": NON_NEGATIVE}
+
+    def check(self, k: Keys) -> None:
+        """CUDA graphs replay what Inductor compiled: with nothing compiled, or another backend, `on` would
+        do nothing."""
+        if self.cudagraphs == "on" and (self.mode == "none" or self.backend != "inductor"):
+            has = f"compile.mode {self.mode!r}, compile.backend {self.backend!r}"
+            raise k.error("cudagraphs", f"needs regions compiled by the inductor backend, and this run has {has} "
+                                        "(use auto or off)")

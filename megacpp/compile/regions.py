@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from megacpp.compile.config import CompileConfig
+from megacpp.compile.cudagraphs import decide_cudagraphs
 from megacpp.compile.policy import apply_policy
 
 
@@ -53,6 +54,8 @@ class CompiledModel:
     model: nn.Module
     mode: str
     regions: list[Region] = field(default_factory=list)
+    cudagraphs: bool = False  # the regions replay as CUDA graphs: each step must begin with begin_graph_step()
+    cudagraphs_why: str = "off (nothing compiled)"
     _hooks: list[RemovableHandle | _MethodMarking] = field(default_factory=list, repr=False)
 
     def end_warmup(self) -> None:
@@ -95,7 +98,8 @@ def _compile_region(region: Region, cfg: CompileConfig, handle: CompiledModel) -
     module, method = region.module, region.method
     if method in vars(module):
         raise RuntimeError(f"{type(module).__qualname__}.{method} is already replaced (compiled twice?)")
-    compiled = torch.compile(getattr(module, method), backend=cfg.backend, fullgraph=cfg.fullgraph)
+    mode = "reduce-overhead" if handle.cudagraphs else None
+    compiled = torch.compile(getattr(module, method), backend=cfg.backend, fullgraph=cfg.fullgraph, mode=mode)
     if method == "forward" or not cfg.dynamic_batch:
         setattr(module, method, compiled)
         if method == "forward" and cfg.dynamic_batch:
@@ -119,12 +123,14 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
     ``blocks`` compiles each module of ``model.blocks`` (an ``nn.ModuleList``) and each method the
     model names in ``method_regions``; ``model`` compiles the whole forward; ``none`` compiles nothing.
     With ``cfg.dynamic_batch`` the batch axis of every region's inputs is marked dynamic until
-    `CompiledModel.end_warmup` is called.
+    `CompiledModel.end_warmup` is called. Whether the regions replay as CUDA graphs is decided here
+    (`decide_cudagraphs`: ``compile.cudagraphs`` on where the model and process allow it).
     """
     apply_policy(cfg)
     handle = CompiledModel(model, cfg.mode)
     if cfg.mode == "none":
         return handle
+    handle.cudagraphs, handle.cudagraphs_why = decide_cudagraphs(cfg, model)
     if cfg.mode == "blocks":
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from megacpp.compile.cudagraphs import begin_graph_step
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.workers import start_compile_workers
@@ -473,7 +474,8 @@ class Trainer:
         tc = self.cfg.train
         lines = [
             f"device {self.device}, mode {self.mode['mode']}, compile {self.cfg.compile.mode} "
-            f"({self.cfg.compile.backend}), {self.stack.describe_steps()}; {self.ctx.describe()}"
+            f"({self.cfg.compile.backend}, CUDA graphs {self.parallel.compiled.cudagraphs_why}), "
+            f"{self.stack.describe_steps()}; {self.ctx.describe()}"
             + (f"; {self.parallel.describe()}" if self.ctx.distributed else ""),
             self.compile_status.format(),
             self.step_prewarm_note,
@@ -500,6 +502,8 @@ class Trainer:
         runs the backward (on `small` that step takes more host time than device time)."""
         plan, clock = self.batch, self.phase_clock
         clock.start()
+        if self.parallel.compiled.cudagraphs:
+            begin_graph_step()
         total = torch.zeros((), device=self.device)
         last_batch = None
         loss_read = None
