@@ -19,18 +19,27 @@ from tests.helpers import tiny_train_config
 pytestmark = pytest.mark.usefixtures("isolated_dynamo")
 
 
-def test_tier1_auto_is_off_on_a_cpu_model_and_says_why():
-    model = build_standin("AMERF")
-    assert decide_cudagraphs(CompileConfig(), model) == (False, "off (auto: needs a CUDA device (the model is on cpu))")
-    assert decide_cudagraphs(CompileConfig(cudagraphs="off"), model) == (False, "off (compile.cudagraphs off)")
-    assert decide_cudagraphs(CompileConfig(mode="none", backend="eager"), model) == (
-        False, "off (auto: needs regions compiled by the inductor backend and a CUDA device (the model is on cpu))")
+def test_tier1_auto_is_off_on_the_cpu_and_in_bitwise_mode_and_says_why():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = CompileConfig(cudagraphs="auto")
+    assert CompileConfig().cudagraphs == "off", "a new feature defaults off: the library's default path unchanged"
+    assert decide_cudagraphs(auto, cuda) == (True, "on (auto: one CUDA process)")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert decide_cudagraphs(auto, cuda) == (False, "off (auto: bitwise mode)")
+        assert decide_cudagraphs(CompileConfig(cudagraphs="on"), cuda) == (True, "on (compile.cudagraphs on)")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert decide_cudagraphs(auto, cpu) == (False, "off (auto: needs a CUDA device (the model runs on cpu))")
+    assert decide_cudagraphs(CompileConfig(cudagraphs="off"), cpu) == (False, "off (compile.cudagraphs off)")
+    assert decide_cudagraphs(CompileConfig(mode="none", backend="eager", cudagraphs="auto"), cpu) == (
+        False, "off (auto: needs regions compiled by the inductor backend and a CUDA device (the model runs on cpu))")
 
 
 def test_tier1_on_where_graphs_cannot_run_names_what_is_missing():
-    with pytest.raises(ConfigError, match=r"compile.cudagraphs = 'on' needs a CUDA device \(the model is on cpu\) "
+    with pytest.raises(ConfigError, match=r"compile.cudagraphs = 'on' needs a CUDA device \(the model runs on cpu\) "
                                           r"\(use auto or off\)"):
-        decide_cudagraphs(CompileConfig(cudagraphs="on"), build_standin("AMERF"))
+        decide_cudagraphs(CompileConfig(cudagraphs="on"), torch.device("cpu"))
 
 
 def test_tier1_the_gate_refuses_on_without_inductor_regions_or_on_the_cpu():
@@ -50,11 +59,41 @@ def test_tier1_every_region_is_compiled_for_replay_exactly_when_decided(monkeypa
         calls.append(kwargs["mode"])
         return fn
 
-    monkeypatch.setattr(regions, "decide_cudagraphs", lambda cfg, model: (replay, "decided here"))
+    devices = []
+    monkeypatch.setattr(regions, "decide_cudagraphs", lambda cfg, device: devices.append(device) or (replay, "here"))
     monkeypatch.setattr(torch, "compile", record)
-    handle = regions.compile_model(build_standin("AMERF"), CompileConfig(mode="blocks"))
-    assert (handle.cudagraphs, handle.cudagraphs_why) == (replay, "decided here")
+    handle = regions.compile_model(build_standin("AMERF"), CompileConfig(mode="blocks", cudagraphs="auto"))
+    assert (handle.cudagraphs, handle.cudagraphs_why) == (replay, "here")
     assert calls == [mode] * len(handle.regions) and len(handle.regions) == 6  # five blocks and the loss
+    with torch.device("meta"):  # a model built for another device (the model helpers') names it
+        regions.compile_model(build_standin("AMERF"), CompileConfig(mode="blocks"), torch.device("cuda", 1))
+    assert devices == [torch.device("cpu"), torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_tier1_the_model_helpers_compile_with_the_trainers_decision(tmp_path, small_corpus, monkeypatch, replay):
+    """Inductor keys its cache by the setting, and a lone helper would decide for itself: each job carries
+    the trainer's decision as on or off."""
+    started = []
+
+    class Started:
+        def attach(self, blocks):
+            pass
+
+        def stop(self):
+            pass
+
+    def start(jobs, logs, suffix):
+        started.append(jobs)
+        return Started()
+
+    monkeypatch.setattr(regions, "decide_cudagraphs", lambda cfg, device: (replay, "here"))
+    monkeypatch.setattr(loop.ModelPrewarm, "start", start)
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"compile.mode": "blocks", "compile.backend": "eager",
+                                                         "compile.model_helper": "on"})
+    Trainer(cfg, log=lambda _: None, progress=False).close()
+    assert len(started) == 1 and started[0]
+    assert {job.compile.cudagraphs for job in started[0].values()} == {"on" if replay else "off"}
 
 
 def test_tier1_the_trainer_begins_one_graph_step_per_optimizer_step(tmp_path, small_corpus, monkeypatch):
@@ -68,3 +107,20 @@ def test_tier1_the_trainer_begins_one_graph_step_per_optimizer_step(tmp_path, sm
     trainer.parallel.compiled.cudagraphs = True  # CPU: nothing replays, the loop's marks are what is tested
     trainer.run()
     assert events == ["mark", "forward", "forward"] * 3
+
+
+def test_tier1_graphs_that_do_not_replay_are_counted_in_the_log_after_the_first_step(tmp_path, small_corpus):
+    from torch._dynamo.utils import counters
+
+    lines = []
+    trainer = Trainer(tiny_train_config(tmp_path, small_corpus, **{"train.steps": "2"}), log=lines.append,
+                      progress=False)
+    trainer.parallel.compiled.cudagraphs = True  # CPU: Inductor's count is set by hand below
+    counters["inductor"]["cudagraph_skips"] = 3
+    try:
+        trainer.run()
+    finally:
+        counters["inductor"]["cudagraph_skips"] = 0
+    said = [line for line in lines if line.startswith("CUDA graphs:")]
+    assert said == ["CUDA graphs: 3 compiled graph(s) not replayed (they run kernel by kernel); "
+                    "TORCH_LOGS=perf_hints names why"]

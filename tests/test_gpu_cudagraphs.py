@@ -46,7 +46,8 @@ def test_tier2_replayed_micro_batches_train_the_same_twice(tmp_path, small_corpu
 
 
 def test_tier1_auto_replays_one_cuda_process(tmp_path, small_corpus):
-    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.device": "cuda", "compile.mode": "blocks"})
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"train.device": "cuda", "compile.mode": "blocks",
+                                                         "compile.cudagraphs": "auto"})
     trainer = Trainer(cfg, log=lambda _: None, progress=False)
     assert (trainer.parallel.compiled.cudagraphs, trainer.parallel.compiled.cudagraphs_why) == (
         True, "on (auto: one CUDA process)")

@@ -26,8 +26,8 @@ class CompileConfig(ConfigSection):
     forbid_recompiles: bool = False  # after warmup any recompile raises at once, naming its guard
     fail_on_recompile_limit_hit: bool = True  # raise at the cap instead of running that frame eagerly forever
     # Replay each compiled region as a CUDA graph (Inductor's CUDA graph trees, megacpp.compile.cudagraphs):
-    # auto = on for one CUDA process outside bitwise mode with the inductor backend.
-    cudagraphs: CudaGraphs = "auto"
+    # auto = on for one CUDA process outside bitwise mode with the inductor backend (`small` and `dense` set it).
+    cudagraphs: CudaGraphs = "off"
     max_autotune: bool = False  # Inductor GEMM/pointwise autotuning (slow compiles; its subprocess can OOM)
     # Benchmark autotune choices in a subprocess, so a crashing candidate cannot kill training (only
     # matters once autotuning is on).

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megacpp.compile.config import CompileConfig
 from megacpp.errors import ConfigError
 
 
-def decide_cudagraphs(cfg: CompileConfig, model: nn.Module) -> tuple[bool, str]:
-    """Whether `model`'s compiled regions replay as CUDA graphs under ``cfg``, and why (for the run header).
+def decide_cudagraphs(cfg: CompileConfig, device: torch.device) -> tuple[bool, str]:
+    """Whether regions compiled under ``cfg`` to run on ``device`` replay as CUDA graphs, and why (for the run
+    header).
 
     ``on`` where graphs cannot run is a ConfigError naming what is missing; ``auto`` is on exactly where
     ``on`` would be accepted, outside bitwise mode."""
-    blockers = _blockers(cfg, model)
+    blockers = _blockers(cfg, device)
     if cfg.cudagraphs == "off":
         return False, "off (compile.cudagraphs off)"
     if cfg.cudagraphs == "on":
@@ -40,14 +40,13 @@ def decide_cudagraphs(cfg: CompileConfig, model: nn.Module) -> tuple[bool, str]:
     return True, "on (auto: one CUDA process)"
 
 
-def _blockers(cfg: CompileConfig, model: nn.Module) -> list[str]:
+def _blockers(cfg: CompileConfig, device: torch.device) -> list[str]:
     """What this run lacks for CUDA graphs, in words (empty: nothing)."""
     missing = []
     if cfg.mode == "none" or cfg.backend != "inductor":
         missing.append("regions compiled by the inductor backend")
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type != "cuda":
-        missing.append(f"a CUDA device (the model is on {device.type})")
+        missing.append(f"a CUDA device (the model runs on {device.type})")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         missing.append(f"one process (this run has {dist.get_world_size()})")
     return missing
@@ -60,3 +59,20 @@ def begin_graph_step() -> None:
     call of a compiled region without a pending backward) would free the documents' segments, computed
     by one region and read by every block after it, as soon as the first block is called."""
     torch.compiler.cudagraph_mark_step_begin()
+
+
+def skipped_graphs() -> int:
+    """How many compiled graphs Inductor declined to replay so far in this process (each then runs as
+    compiled, kernel by kernel; ``TORCH_LOGS=perf_hints`` gives the reasons)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def skipped_line() -> str | None:
+    """The log line after the first step when some graphs do not replay; None when all do."""
+    skipped = skipped_graphs()
+    if not skipped:
+        return None
+    return (f"CUDA graphs: {skipped} compiled graph(s) not replayed (they run kernel by kernel); "
+            "TORCH_LOGS=perf_hints names why")

@@ -117,20 +117,23 @@ def _compile_region(region: Region, cfg: CompileConfig, handle: CompiledModel) -
     setattr(module, method, region_call)
 
 
-def compile_model(model: nn.Module, cfg: CompileConfig) -> CompiledModel:
+def compile_model(model: nn.Module, cfg: CompileConfig, device: torch.device | None = None) -> CompiledModel:
     """Compile `model` in place per ``cfg.mode`` and return a handle; applies the policy first.
 
     ``blocks`` compiles each module of ``model.blocks`` (an ``nn.ModuleList``) and each method the
     model names in ``method_regions``; ``model`` compiles the whole forward; ``none`` compiles nothing.
     With ``cfg.dynamic_batch`` the batch axis of every region's inputs is marked dynamic until
     `CompiledModel.end_warmup` is called. Whether the regions replay as CUDA graphs is decided here
-    (`decide_cudagraphs`: ``compile.cudagraphs`` on where the model and process allow it).
+    (`decide_cudagraphs`: ``compile.cudagraphs`` on where the device and process allow it); ``device`` is
+    where the regions will run, by default where the model's parameters are (a model built on meta names it).
     """
     apply_policy(cfg)
     handle = CompiledModel(model, cfg.mode)
     if cfg.mode == "none":
         return handle
-    handle.cudagraphs, handle.cudagraphs_why = decide_cudagraphs(cfg, model)
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    handle.cudagraphs, handle.cudagraphs_why = decide_cudagraphs(cfg, device)
     if cfg.mode == "blocks":
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:

@@ -131,7 +131,9 @@ def compile_report(
     """
     if batch < 3:
         raise ValueError("batch must be >= 3: the follow-up batch (batch - 1) must stay >= 2")
-    cfg = CompileConfig(mode=mode, backend=backend)
+    # No CUDA graphs: the report measures compilation, and its passes call the regions without the
+    # trainer's per-step mark (Inductor's own guess of a step frees one region's outputs before the next reads them).
+    cfg = CompileConfig(mode=mode, backend=backend, cudagraphs="off")
     make_inputs = make_inputs or token_inputs()
     policy = apply_policy(cfg)
     with _fresh_inductor_cache():

@@ -13,6 +13,7 @@ attempt this process is).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import traceback
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from megacpp.compile.cudagraphs import begin_graph_step
+from megacpp.compile.cudagraphs import begin_graph_step, skipped_line
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.workers import start_compile_workers
@@ -224,8 +225,11 @@ class Trainer:
                                     self.ctx.local_rank)
         if why_not is not None:
             return None, f"model helper: none ({why_not})"
-        jobs = model_jobs(self.model, cfg.compile, cfg.train.deterministic, cfg.train.recompute, self.device,
-                          self.batch.micro_batch, cfg.data.seq_len)
+        # The helpers replay as the trainer does (Inductor keys its cache by that setting), decided here: a
+        # lone helper would choose replay where a replicate trainer does not.
+        replay = "on" if self.parallel.compiled.cudagraphs else "off"
+        jobs = model_jobs(self.model, dataclasses.replace(cfg.compile, cudagraphs=replay), cfg.train.deterministic,
+                          cfg.train.recompute, self.device, self.batch.micro_batch, cfg.data.seq_len)
         suffix = f".rank{self.ctx.rank}" if self.ctx.distributed else ""
         prewarm = ModelPrewarm.start(jobs, self.out_dir / "logs", suffix)
         prewarm.attach(self.model.blocks)  # the first forward waits for each kind's graph instead of racing it
@@ -339,6 +343,8 @@ class Trainer:
                     if self.model_prewarm is not None:
                         self.log(self._model_prewarm_line())
                     if (line := kernel_prewarm.outcomes()) is not None:
+                        self.log(line)
+                    if self.parallel.compiled.cudagraphs and (line := skipped_line()) is not None:
                         self.log(line)
                 self.losses.append(loss)
                 out_of_time = self.step < tc.steps and self.votes.out_of_time()  # same step on every rank

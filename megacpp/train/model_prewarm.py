@@ -118,7 +118,7 @@ def run_job(job: ModelJob) -> float:
     with torch.device("meta"):
         model = HybridLM(job.model)
     apply_recompute(model, recompute_kinds(job.recompute))
-    compile_model(model, job.compile)
+    compile_model(model, job.compile, device)
     started = time.perf_counter()
     idx = torch.zeros(job.batch, job.seq_len, dtype=torch.int64, device=device)
     doc_ids = torch.zeros(job.batch, job.seq_len, dtype=torch.int32, device=device)  # the loader's, always given
