@@ -27,6 +27,7 @@ import torch
 
 from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
+from megacpp.compile.cudagraphs import begin_graph_step
 from megacpp.compile.health import CompileHealth, bounds_for
 from megacpp.compile.regions import compile_model
 from megacpp.compile.report import random_token_batch
@@ -62,6 +63,7 @@ def make_step(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
 
     def step() -> float:
         start = time.perf_counter()
+        begin_graph_step()  # as the trainer does: replayed regions (compile.cudagraphs) start a generation here
         with autocast:
             loss = model(**batch)
         loss.backward()

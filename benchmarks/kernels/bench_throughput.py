@@ -40,6 +40,7 @@ from timing import device_ms, fwd_bwd_ms, fwd_bwd_step, matmul_split, median_ms,
 
 from megacpp.compile.cache import setup_inductor_cache
 from megacpp.compile.config import CompileConfig
+from megacpp.compile.cudagraphs import begin_graph_step
 from megacpp.compile.policy import apply_policy
 from megacpp.compile.regions import compile_model
 from megacpp.config import apply_overrides
@@ -274,6 +275,7 @@ def bench_whole_steps(cfg, label: str, b: int, t: int, iters: int, dev: torch.de
     docs = documents(b, t, dev)
 
     def train_step() -> None:
+        begin_graph_step()  # as the trainer does: replayed regions (compile.cudagraphs) start a generation here
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(idx, targets, docs)
         loss.backward()
