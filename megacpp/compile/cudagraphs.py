@@ -26,9 +26,9 @@ def decide_cudagraphs(cfg: CompileConfig, device: torch.device) -> tuple[bool, s
 
     ``on`` where graphs cannot run is a ConfigError naming what is missing; ``auto`` is on exactly where
     ``on`` would be accepted, outside bitwise mode."""
-    blockers = _blockers(cfg, device)
     if cfg.cudagraphs == "off":
         return False, "off (compile.cudagraphs off)"
+    blockers = _blockers(cfg, device)
     if cfg.cudagraphs == "on":
         if blockers:
             raise ConfigError(f"compile.cudagraphs = 'on' needs {' and '.join(blockers)} (use auto or off)")
