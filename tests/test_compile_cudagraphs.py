@@ -124,3 +124,14 @@ def test_tier1_graphs_that_do_not_replay_are_counted_in_the_log_after_the_first_
     said = [line for line in lines if line.startswith("CUDA graphs:")]
     assert said == ["CUDA graphs: 3 compiled graph(s) not replayed (they run kernel by kernel); "
                     "TORCH_LOGS=perf_hints names why"]
+
+
+def test_tier1_on_with_the_device_left_auto_on_a_cpu_machine_stops_before_the_data_work(tmp_path, small_corpus,
+                                                                                        monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data work started before the refusal")
+
+    monkeypatch.setattr(loop, "build_data", no_data)
+    cfg = tiny_train_config(tmp_path, small_corpus, **{"compile.mode": "blocks", "compile.cudagraphs": "on"})
+    with pytest.raises(ConfigError, match=r"compile.cudagraphs = 'on' needs a CUDA device \(the model runs on cpu\)"):
+        Trainer(cfg, log=lambda _: None, progress=False)

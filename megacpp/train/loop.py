@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from megacpp.compile.cudagraphs import begin_graph_step, skipped_line
+from megacpp.compile.cudagraphs import begin_graph_step, decide_cudagraphs, skipped_line
 from megacpp.compile.entry import prepare_compile
 from megacpp.compile.health import CompileHealth, bounds_for, forbid_recompiles
 from megacpp.compile.workers import start_compile_workers
@@ -131,6 +131,9 @@ class Trainer:
         self.run_dir.log = self.log
         self.progress = progress and ctx.is_main
         seed_everything(tc.seed)
+        # `compile.cudagraphs on` where graphs cannot run is refused here, before the data work (the config gate
+        # cannot know what device auto resolves to); compile_model decides again, from the same inputs.
+        decide_cudagraphs(self.cfg.compile, self.device)
         # Before the data (which may take minutes): the tokenizer's vocabulary is data.vocab_size.
         check_model_fits(trained_config(self.cfg, self.cfg.data.vocab_size).model, self.device)
         # A validation batch is an optimizer step's rows, so `train.eval_batches` covers the same text on any
