@@ -61,17 +61,12 @@ def begin_graph_step() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def skipped_graphs() -> int:
-    """How many compiled graphs Inductor declined to replay so far in this process (each then runs as
-    compiled, kernel by kernel; ``TORCH_LOGS=perf_hints`` gives the reasons)."""
+def skipped_line() -> str | None:
+    """The log line after the first step when Inductor declined to replay some compiled graphs (each then runs
+    as compiled, kernel by kernel); None when every one replays."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["cudagraph_skips"]
-
-
-def skipped_line() -> str | None:
-    """The log line after the first step when some graphs do not replay; None when all do."""
-    skipped = skipped_graphs()
+    skipped = counters["inductor"]["cudagraph_skips"]
     if not skipped:
         return None
     return (f"CUDA graphs: {skipped} compiled graph(s) not replayed (they run kernel by kernel); "
