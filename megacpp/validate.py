@@ -108,7 +108,7 @@ def _lr_scales_name_used_kinds(k: Keys) -> None:
 
 def _cudagraphs_need_cuda(k: Keys) -> None:
     """CUDA graphs exist only on CUDA: `on` with the CPU named is refused here, before the data work (a device
-    left auto is known only when the model is built, where megacpp.compile.cudagraphs checks it)."""
+    left auto is known only when the Trainer starts, which checks it before its own data work)."""
     if k.value("compile.cudagraphs") == "on" and k.value("train.device") == "cpu":
         raise k.error_among(("compile.cudagraphs", "train.device"),
                             "CUDA graphs need a CUDA device (use auto or off)")
