@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,29 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float | None, cwd: Path | N
             return "timeout"
 
 
-def kill_tree(pid: int) -> None:
+def kill_tree(pid: int, wait_s: float = 10.0) -> None:
     """SIGKILL to `pid`, its process group and every process below it (read from /proc before the first
-    kill, since a killed parent's children are handed to init and drop out of the tree)."""
+    kill, since a killed parent's children are handed to init and drop out of the tree), then wait up to
+    `wait_s` for those below to be gone: a signalled process dies when it is next scheduled, which on a busy
+    CPU can be after this returns (a worker seen alive just after the kill failed a test under load)."""
     below = descendants(pid)
     with contextlib.suppress(ProcessLookupError):  # the launch itself may have ended already
         os.killpg(pid, signal.SIGKILL)
     for child in below:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(_alive(child) for child in below) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs: not gone and not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def descendants(pid: int) -> list[int]:
