@@ -3,6 +3,7 @@ import json
 import math
 import shutil
 import time
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from megacpp.config import Config
 from megacpp.data.baselines import BASELINES_FILE
 from megacpp.runtime.checkpoint import list_checkpoints
 from megacpp.runtime.data import build_data
+from megacpp.train import loop as loop_module
 from megacpp.train.guards import NonFiniteLossError
 from megacpp.train.loop import Trainer
 from megacpp.train.metrics import BASELINE_LINES, baselines_of, read_metrics
@@ -415,17 +417,27 @@ def test_extending_a_finished_run_says_what_the_schedule_does_and_offers_the_cho
 
 def test_tier1_the_step_after_an_evaluation_and_a_checkpoint_is_timed_without_them(tmp_path, small_corpus,
                                                                                   monkeypatch):
-    # a 3 s evaluation at step 3 (tiny's steps take well under a second here): step 4's tok/s must not
-    # count it, as step 3's own does not
-    original = Trainer._evaluate
+    # the trainer's clock jumps 1,000 s in the evaluation and 1,000 s in the checkpoint at step 3: step 4's
+    # tok/s must count neither, as step 3's own does not. A jumping clock, not a sleep: a sleep's margin is
+    # what a loaded CI machine eats (a 3 s sleep against a 0.05 s step failed there with 3.7 s)
+    jumped = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jumped[0])
+    monkeypatch.setattr(loop_module, "time", clock)
+    evaluate, save = Trainer._evaluate, Trainer.save
 
     def slow_evaluate(self, records, watchdog):
-        time.sleep(3.0)
-        original(self, records, watchdog)
+        jumped[0] += 1000.0
+        evaluate(self, records, watchdog)
+
+    def slow_save(self):
+        jumped[0] += 1000.0
+        return save(self)
 
     monkeypatch.setattr(Trainer, "_evaluate", slow_evaluate)
+    monkeypatch.setattr(Trainer, "save", slow_save)
     _run(tiny_train_config(tmp_path, small_corpus))
     tokens_per_step = 4 * 32
     seconds = {r["step"]: tokens_per_step / r["tok_per_s"]
                for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"}
-    assert seconds[4] < 3.0 and seconds[5] < 3.0, seconds
+    assert jumped[0] >= 4000.0  # evaluated and saved at steps 3 and 6
+    assert all(seconds[step] < 1000.0 for step in range(1, 7)), seconds
