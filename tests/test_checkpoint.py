@@ -170,16 +170,17 @@ def _resume_meta(cfg) -> dict:
 
 def test_tier1_resume_may_change_how_the_model_is_computed_not_what_it_is(tmp_path):
     """Settings of how the model is computed or bounded (the spectral cap, the scan's operands, MoE
-    dispatch, the loss head's kernel) may change on resume and are returned for the log; its shape or
-    meaning may not."""
+    dispatch and where its shared expert runs, the loss head's kernel) may change on resume and are
+    returned for the log; its shape or meaning may not."""
     saved = preset("small")
     saved.model.rnn.w_spectral_cap, saved.model.mamba.scan_matmuls = 0.0, "fp32"
     saved.model.loss_kernel = "reference"
     now = preset("small")
-    now.model.moe.dispatch = "padded"
+    now.model.moe.dispatch, now.model.moe.fuse_shared_expert = "padded", True
     changed = check_resume_settings(_resume_meta(saved), to_dict(now), 1, tmp_path)
     assert sorted(changed) == [("loss_kernel", "reference", "auto"), ("mamba.scan_matmuls", "fp32", "activation"),
-                               ("moe.dispatch", "auto", "padded"), ("rnn.w_spectral_cap", 0.0, 1.0)]
+                               ("moe.dispatch", "auto", "padded"), ("moe.fuse_shared_expert", False, True),
+                               ("rnn.w_spectral_cap", 0.0, 1.0)]
     assert check_resume_settings(_resume_meta(now), to_dict(now), 1, tmp_path) == []
     now.model.rnn.key_dim = 32
     with pytest.raises(CheckpointError, match=r"model.rnn.key_dim: checkpoint 64 vs now 32"):

@@ -114,7 +114,7 @@ def state_dtype_changes(meta: dict[str, Any], config: dict[str, Any]) -> list[st
 # earlier runs would be unresumable.
 RESUMABLE_MODEL_SETTINGS = frozenset({
     "attention.backend", "loss_kernel", "mamba.scan_kernel", "mamba.scan_matmuls", "moe.dispatch",
-    "rnn.w_spectral_cap",
+    "moe.fuse_shared_expert", "rnn.w_spectral_cap",
 })
 
 
