@@ -36,27 +36,30 @@ def _block(fuse: bool) -> MoE:
     return m.cuda()
 
 
-def test_tier1_the_fused_forward_is_the_separate_one_and_its_gradients_agree():
-    """Forward bitwise: each input row has 8 entries of +-1 and every weight is in {-1, 0, 1}, so every
-    hidden value is an integer of magnitude <= 8, its square <= 64 and every output sum <= 65,536: exact in
-    the GEMMs' fp32 accumulators, then rounded to bf16 the same way in both. The backward carries the
-    router's fp32 combine weights, which no operand choice makes exact, so the gradients are held to 1% of
-    their scale (bf16's rounding, 2^-8, once more through each GEMM's sum)."""
+def _forward_and_backward(fuse: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The block's output, its counts per expert and every gradient (input and parameters) on one batch of
+    4 x 512 rows, each with 8 entries of +-1."""
     gen = torch.Generator().manual_seed(2)
-    x0 = _sparse_signs((4, 512, D), NONZERO, gen).cuda()
+    x = _sparse_signs((4, 512, D), NONZERO, gen).cuda().requires_grad_()
     upstream = torch.randn(4, 512, D, generator=gen).cuda()
-    results = []
-    for fuse in (False, True):
-        m = _block(fuse)
-        x = x0.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = m(x)
-        (y.float() * upstream).sum().backward()
-        results.append((y.detach(), m.tokens_per_expert.clone(),
-                        {"x": x.grad, **{name: p.grad for name, p in m.named_parameters()}}))
-    (y_separate, counts_separate, grads_separate), (y_fused, counts_fused, grads_fused) = results
+    m = _block(fuse)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    (y.float() * upstream).sum().backward()
+    return y.detach(), m.tokens_per_expert.clone(), {"x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+def test_tier1_the_fused_forward_is_the_separate_one():
+    """Every hidden value is an integer of magnitude <= 8, its square <= 64 and every output sum <= 65,536:
+    exact in the GEMMs' fp32 accumulators, then rounded to bf16 the same way in both."""
+    (y_separate, counts_separate, _), (y_fused, counts_fused, _) = (_forward_and_backward(f) for f in (False, True))
     assert torch.equal(counts_separate, counts_fused) and int((counts_fused > 0).sum()) > 1
     assert torch.equal(y_separate, y_fused)
-    for name, separate in grads_separate.items():
-        fused = grads_fused[name]
-        assert (fused - separate).abs().max() <= 0.01 * separate.abs().max(), name
+
+
+def test_tier3_the_fused_gradients_are_within_bf16_rounding_of_the_separate_ones():
+    """The backward carries the router's fp32 combine weights, which no operand choice makes exact: held
+    to 1% of each gradient's scale (bf16's rounding, 2^-8, once more through each GEMM's sum)."""
+    (_, _, separate), (_, _, fused) = (_forward_and_backward(f) for f in (False, True))
+    for name, grad in separate.items():
+        assert (fused[name] - grad).abs().max() <= 0.01 * grad.abs().max(), name
