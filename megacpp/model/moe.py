@@ -182,12 +182,12 @@ def grouped_expert_rows(
     d, n_exp = x.shape[-1], w_up.shape[0]
     n = b * t * k
     order, position, counts = expert_order(expert_idx.reshape(b, t * k), n_exp)
-    x_low = x.to(dtype)
-    x_rep = x_low.unsqueeze(2).expand(b, t, k, d).reshape(n, d)
+    x_cast = x.to(dtype)
+    x_rep = x_cast.unsqueeze(2).expand(b, t, k, d).reshape(n, d)
     x_sorted = permute_rows(x_rep, order, position)
     group_rows, w_up, w_down = counts, w_up.to(dtype), w_down.to(dtype)
     if shared is not None:
-        x_sorted = torch.cat([x_sorted, x_low.reshape(b * t, d)])
+        x_sorted = torch.cat([x_sorted, x_cast.reshape(b * t, d)])
         group_rows = torch.cat([counts, counts.new_full((1,), b * t)])
         w_up = torch.cat([w_up, shared[0].to(dtype).unsqueeze(0)])
         w_down = torch.cat([w_down, shared[1].to(dtype).unsqueeze(0)])
@@ -311,8 +311,9 @@ class MoE(nn.Module):
             combine = torch.where(keep, weights, torch.zeros_like(weights))
             self.overflow.copy_((~keep).sum())
         else:
-            fused = self.cfg.fuse_shared_expert and self.shared_up is not None
-            shared_weights = (self.shared_up.weight.t(), self.shared_down.weight.t()) if fused else None
+            # fuse_shared_expert implies a shared expert (MoEConfig.check)
+            shared_weights = ((self.shared_up.weight.t(), self.shared_down.weight.t())
+                              if self.cfg.fuse_shared_expert else None)
             rows, counts, shared = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype, shared_weights)
             combine = weights
             self.overflow.zero_()  # dropless
