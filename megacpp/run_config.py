@@ -23,6 +23,7 @@ from megacpp.config import (
     merge_dict,
     read_toml,
 )
+from megacpp.model.config import without_retired
 from megacpp.presets import PRESETS, preset
 from megacpp.section import freeze, is_frozen
 from megacpp.validate import validate_config
@@ -81,9 +82,12 @@ def load_config(
 
 
 def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
-    """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors."""
+    """A config saved by `to_dict` (e.g. a checkpoint's meta.json); ``source`` names it in errors. Model
+    settings the code no longer has (`RETIRED_MODEL_SETTINGS`) are dropped, not refused."""
     cfg = Config()
     sources = Provenance(source)
+    if isinstance(data.get("model"), dict):
+        data = {**data, "model": without_retired(data["model"])}
     merge_dict(cfg, data, lambda _key: source, sources)
     return gate(cfg, sources)
 

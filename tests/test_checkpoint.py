@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from megacpp.config import to_dict
+from megacpp.config import ConfigError, to_dict
 from megacpp.distributed import checkpoint as dist_checkpoint
 from megacpp.distributed.context import DistContext
 from megacpp.presets import preset
+from megacpp.run_config import from_dict, load_config
 from megacpp.runtime.checkpoint import (
     CheckpointError,
     _sha256_each,
@@ -170,17 +171,16 @@ def _resume_meta(cfg) -> dict:
 
 def test_tier1_resume_may_change_how_the_model_is_computed_not_what_it_is(tmp_path):
     """Settings of how the model is computed or bounded (the spectral cap, the scan's operands, MoE
-    dispatch and where its shared expert runs, the loss head's kernel) may change on resume and are
-    returned for the log; its shape or meaning may not."""
+    dispatch, the loss head's kernel) may change on resume and are returned for the log; its shape or
+    meaning may not."""
     saved = preset("small")
     saved.model.rnn.w_spectral_cap, saved.model.mamba.scan_matmuls = 0.0, "fp32"
     saved.model.loss_kernel = "reference"
     now = preset("small")
-    now.model.moe.dispatch, now.model.moe.fuse_shared_expert = "padded", True
+    now.model.moe.dispatch = "padded"
     changed = check_resume_settings(_resume_meta(saved), to_dict(now), 1, tmp_path)
     assert sorted(changed) == [("loss_kernel", "reference", "auto"), ("mamba.scan_matmuls", "fp32", "activation"),
-                               ("moe.dispatch", "auto", "padded"), ("moe.fuse_shared_expert", False, True),
-                               ("rnn.w_spectral_cap", 0.0, 1.0)]
+                               ("moe.dispatch", "auto", "padded"), ("rnn.w_spectral_cap", 0.0, 1.0)]
     assert check_resume_settings(_resume_meta(now), to_dict(now), 1, tmp_path) == []
     now.model.rnn.key_dim = 32
     with pytest.raises(CheckpointError, match=r"model.rnn.key_dim: checkpoint 64 vs now 32"):
@@ -200,6 +200,22 @@ def test_tier1_a_setting_the_checkpoint_predates_is_its_default(tmp_path):
     cfg.model.mtp_depth = 1
     with pytest.raises(CheckpointError, match=r"model.mtp_depth: checkpoint 0 vs now 1"):
         check_resume_settings(meta, to_dict(cfg), 1, tmp_path)
+
+
+@pytest.mark.parametrize("saved_value", [False, True])
+def test_tier1_a_setting_the_code_has_retired_is_dropped_from_a_saved_config(tmp_path, saved_value):
+    """moe.fuse_shared_expert was written into checkpoints by the trees that had it; it changed no weight, so
+    a resume, and every reader of a saved config, drops it instead of refusing the checkpoint. A file or the
+    command line naming it is still an unknown key."""
+    cfg = preset("small")
+    meta = _resume_meta(cfg)
+    meta["config"]["model"]["moe"]["fuse_shared_expert"] = saved_value
+    assert check_resume_settings(meta, to_dict(cfg), 1, tmp_path) == []
+    check_compatible(meta, to_dict(cfg.model), meta.get("tokenizer_hash"), tmp_path)
+    assert to_dict(from_dict(meta["config"])) == to_dict(cfg)
+    assert meta["config"]["model"]["moe"]["fuse_shared_expert"] is saved_value  # the caller's dict is not edited
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.moe.fuse_shared_expert'"):
+        load_config("small", overrides=[("model.moe.fuse_shared_expert", "true")])
 
 
 def test_tier1_files_hashed_side_by_side_keep_each_files_own_digest(tmp_path):

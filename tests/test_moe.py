@@ -421,8 +421,7 @@ def test_tier1_grouped_rows_and_grads_equal_padded_with_exact_operands(b, t, k, 
     for grouped in (False, True):
         x, up, down = (a.clone().requires_grad_() for a in (x0, up0, down0))
         if grouped:
-            rows, counts, shared = grouped_expert_rows(x, expert_idx, up, down, torch.float32)
-            assert shared is None
+            rows, counts = grouped_expert_rows(x, expert_idx, up, down, torch.float32)
         else:
             rows, keep, counts = padded_expert_rows(x, expert_idx, up, down, capacity=t)
             assert bool(keep.all())
@@ -450,68 +449,6 @@ def test_tier1_grouped_moe_output_equals_padded_with_exact_expert_operands():
         stats.append((m.tokens_per_expert.clone(), m.overflow.clone()))
     assert torch.equal(outputs[0], outputs[1])
     assert torch.equal(stats[0][0], stats[1][0]) and int(stats[0][1]) == int(stats[1][1]) == 0
-
-
-@pytest.mark.parametrize(("b", "t", "k", "n_exp", "unused"), [(2, 9, 2, 4, None), (3, 7, 3, 5, 2), (1, 13, 1, 6, 0)])
-def test_tier1_the_shared_expert_as_one_more_group_gives_the_separate_gemms_rows_and_grads(b, t, k, n_exp, unused):
-    """grouped_expert_rows with a shared expert: the routed rows and counts of the call without it, the
-    shared rows relu^2(x up) down, and every gradient (x, the routed and the shared weights) those of the
-    separate computation, bitwise: the operands are small integers (exact in fp32 whatever the blocking)."""
-    d, hidden = 16, 32
-    gen = torch.Generator().manual_seed(b * 1000 + t * 10 + n_exp)
-    shapes = ((b, t, d), (n_exp, d, hidden), (n_exp, hidden, d), (d, hidden), (hidden, d))
-    operands = [_exact_operands(shape, gen) for shape in shapes]
-    expert_idx = _routes(b, t, k, n_exp, gen, unused)
-    upstream, upstream_shared = _exact_operands((b, t, k, d), gen), _exact_operands((b, t, d), gen)
-    results = []
-    for fused in (False, True):
-        x, up, down, shared_up, shared_down = (a.clone().requires_grad_() for a in operands)
-        if fused:
-            rows, counts, shared = grouped_expert_rows(x, expert_idx, up, down, torch.float32,
-                                                       (shared_up, shared_down))
-        else:
-            rows, counts, none = grouped_expert_rows(x, expert_idx, up, down, torch.float32)
-            assert none is None
-            shared = F.relu(x @ shared_up).square() @ shared_down
-        ((rows * upstream).sum() + (shared * upstream_shared).sum()).backward()
-        results.append((rows.detach(), counts, shared.detach(), x.grad, up.grad, down.grad, shared_up.grad,
-                        shared_down.grad))
-    assert results[1][2].shape == (b, t, d)
-    for separate, fused in zip(*results, strict=True):
-        assert torch.equal(separate, fused)
-
-
-def test_tier1_a_block_with_its_shared_expert_in_the_grouped_gemms_equals_the_separate_one():
-    """fuse_shared_expert changes where the shared expert's products run, not what the block computes: with
-    every weight and input small integers, output and every gradient are bitwise those of the block
-    without it (same seed, same weights)."""
-    results, separate_calls = [], []
-    for fuse in (False, True):
-        m = make_moe(seed=23, dtype=torch.float32, n_experts=5, top_k=2, expert_hidden=16, dispatch="grouped",
-                     fuse_shared_expert=fuse)
-        calls: list[str] = []
-        m.shared_up.register_forward_hook(lambda *_, calls=calls: calls.append("shared_up"))
-        with torch.no_grad():
-            for i, name in enumerate(("w_up", "w_down", "shared_up.weight", "shared_down.weight")):
-                weight = m.get_parameter(name)
-                weight.copy_(_exact_operands(weight.shape, torch.Generator().manual_seed(i)))
-        x = _exact_operands((3, 7, D), torch.Generator().manual_seed(9)).requires_grad_()
-        y = m(x)
-        (y * _exact_operands(y.shape, torch.Generator().manual_seed(10))).sum().backward()
-        results.append((y.detach(), x.grad, *(p.grad for _, p in sorted(m.named_parameters()))))
-        separate_calls.append(len(calls))
-    assert separate_calls == [1, 0]  # fused, the shared expert's own layer never ran
-    for separate, fused in zip(*results, strict=True):
-        assert torch.equal(separate, fused)
-
-
-def test_tier1_fusing_the_shared_expert_needs_one():
-    from megacpp.errors import ConfigError
-    from megacpp.run_config import load_config
-
-    with pytest.raises(ConfigError, match="fuse_shared_expert puts the shared expert in the routed experts' "
-                                          "grouped GEMMs: it needs shared_expert true"):
-        load_config("tiny", overrides=[("model.moe.shared_expert", "false"), ("model.moe.fuse_shared_expert", "true")])
 
 
 def _expert_rows_error_bound(m: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -610,15 +547,13 @@ def test_tier1_grouped_operands_stay_bf16_under_autocast():
     assert y.dtype == torch.float32
 
 
-@pytest.mark.parametrize("fuse_shared", [False, True])
-def test_tier3_grouped_compiles_fullgraph_without_recompiles_as_routing_shifts(fuse_shared):
-    """With and without the shared expert in the grouped GEMMs; bf16 autocast (the GPU configuration;
-    grouped_mm's compile-time shape function takes bf16 only), aot_eager, fullgraph, batch axis dynamic:
-    routing moves every call (bias) and the batch size changes, yet one graph serves all calls, with no
-    break and no recompile. The statistics are exact; outputs match eager to 1e-2 relative: the same bf16
-    GEMMs, whose rows round to bf16 (eps 2^-8 = 3.9e-3), may accumulate in another order in the traced
-    graph."""
-    m = make_moe(seed=11, dtype=torch.float32, dispatch="grouped", fuse_shared_expert=fuse_shared)
+def test_tier3_grouped_compiles_fullgraph_without_recompiles_as_routing_shifts():
+    """bf16 autocast (the GPU configuration; grouped_mm's compile-time shape function takes bf16 only),
+    aot_eager, fullgraph, batch axis dynamic: routing moves every call (bias) and the batch size changes,
+    yet one graph serves all calls, with no break and no recompile. The statistics are exact; outputs
+    match eager to 1e-2 relative: the same bf16 GEMMs, whose rows round to bf16 (eps 2^-8 = 3.9e-3),
+    may accumulate in another order in the traced graph."""
+    m = make_moe(seed=11, dtype=torch.float32, dispatch="grouped")
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)

@@ -69,13 +69,9 @@ def main() -> None:
     acfg = AttentionConfig(n_heads=6, n_kv_heads=2, head_dim=128)
     run("A attention (GQA 6/2 x 128), compiled", Attention(d, acfg, 0), None, True)
     run("A attention, compiled, doc_ids", Attention(d, acfg, 0), segments, True)
-    # "auto", the default, is grouped here (CUDA, bf16 autocast); the last also runs the shared expert as one
-    # more group of the grouped GEMMs (moe.fuse_shared_expert)
-    for dispatch, fuse in (("padded", False), ("grouped", False), ("grouped", True)):
-        ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True, dispatch=dispatch,
-                         fuse_shared_expert=fuse)
-        how = f"{dispatch}, shared fused" if fuse else dispatch
-        run(f"E MoE (top-2 of 16 x 1024 + shared), {how}, compiled", MoE(d, ecfg, 0), None, True)
+    for dispatch in ("padded", "grouped"):  # "auto", the default, is grouped here (CUDA, bf16 autocast)
+        ecfg = MoEConfig(n_experts=16, top_k=2, expert_hidden=1024, shared_expert=True, dispatch=dispatch)
+        run(f"E MoE (top-2 of 16 x 1024 + shared), {dispatch}, compiled", MoE(d, ecfg, 0), None, True)
 
     tokens = b * t
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | d_model {d}, B{b} x T{t}, bf16 autocast")

@@ -93,10 +93,9 @@ def send_layout(routed: Tensor, n_experts: int, degree: int) -> tuple[Tensor, Te
 class ExpertExchange:
     """The routed experts of one E block across its expert group (steps 2-5 of the module docstring).
 
-    Installed as the block's ``routed_experts``; called with MoE's arguments, it returns the rows and
-    counts `megacpp.model.moe.grouped_expert_rows` returns, with the keep mask of `padded_expert_rows` (all
-    True: dropless): rows (b, t, k, d), keep (b, t, k), the block's counts per expert (E,). The shared
-    expert stays local, in its own GEMMs (``moe.fuse_shared_expert`` does not apply here).
+    Installed as the block's ``routed_experts``; called with MoE's arguments, it returns what
+    `megacpp.model.moe.grouped_expert_rows` returns, with the keep mask of `padded_expert_rows` (all
+    True: dropless): rows (b, t, k, d), keep (b, t, k), the block's counts per expert (E,).
 
     The routed rows are put in expert order by `expert_order` (a stable counting sort, the one the
     grouped dispatch of one device uses), which also orders them by destination rank; rank j's chunk of

@@ -19,6 +19,22 @@ from megacpp.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigSection, Int
 
 MAX_DEPTH = 10_000  # blocks: far beyond any model trained here (nam52 has 52), far below a hang
 
+# Model settings that trees of megacpp once wrote into checkpoints and that have since been removed, none of
+# which changed what the weights are: a saved config read back (resume, eval, sample, finetune) drops them.
+# moe.fuse_shared_expert ran the shared expert in the routed experts' grouped GEMMs, the same values with the
+# same parameters, and lost on a GPU (docs/decisions.md).
+RETIRED_MODEL_SETTINGS = ("moe.fuse_shared_expert",)
+
+
+def without_retired(saved_model: dict) -> dict:
+    """A saved model config (`to_dict`'s shape) without the RETIRED_MODEL_SETTINGS it records."""
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in saved_model.items()}
+    for dotted in RETIRED_MODEL_SETTINGS:
+        section, key = dotted.split(".")
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
 
 @dataclass
 class ModelConfig(ConfigSection):

@@ -161,9 +161,8 @@ def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor
 
 
 def grouped_expert_rows(
-    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype,
-    shared: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """Every (token, slot) assignment's expert output, dropless, as two grouped GEMMs in `dtype`.
 
     Same arguments and rows as `padded_expert_rows` (nothing is dropped, so no keep mask); rows come
@@ -173,30 +172,18 @@ def grouped_expert_rows(
     backward gathers by the inverse one (`permute_rows`): deterministic, and compiled, each fuses into
     its neighbour (the cast and the k-fold copy of x; the caller's combine), where scattering into
     zeroed buffers cost two extra passes over the routed rows each way. The number of rows is static;
-    the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing.
-
-    shared, the shared expert's (up (d, h), down (h, d)), runs it as one more group after the routed ones
-    (every token once, in token order, so its rows need no permutation): one GEMM per projection instead of
-    two. Returns (rows (b, t, k, d), tokens_per_expert, the shared expert's rows (b, t, d) or None)."""
+    the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing."""
     b, t, k = expert_idx.shape
     d, n_exp = x.shape[-1], w_up.shape[0]
     n = b * t * k
     order, position, counts = expert_order(expert_idx.reshape(b, t * k), n_exp)
-    x_cast = x.to(dtype)
-    x_rep = x_cast.unsqueeze(2).expand(b, t, k, d).reshape(n, d)
+    offs = counts.cumsum(dim=0).to(torch.int32)
+    x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
     x_sorted = permute_rows(x_rep, order, position)
-    group_rows, w_up, w_down = counts, w_up.to(dtype), w_down.to(dtype)
-    if shared is not None:
-        x_sorted = torch.cat([x_sorted, x_cast.reshape(b * t, d)])
-        group_rows = torch.cat([counts, counts.new_full((1,), b * t)])
-        w_up = torch.cat([w_up, shared[0].to(dtype).unsqueeze(0)])
-        w_down = torch.cat([w_down, shared[1].to(dtype).unsqueeze(0)])
-    offs = group_rows.cumsum(dim=0).to(torch.int32)
-    hidden = relu_squared(F.grouped_mm(x_sorted, w_up, offs=offs))
-    out_sorted = F.grouped_mm(hidden, w_down, offs=offs)
-    rows = permute_rows(out_sorted[:n], position, order)
-    shared_rows = out_sorted[n:].view(b, t, d) if shared is not None else None
-    return rows.view(b, t, k, d), counts, shared_rows
+    hidden = relu_squared(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
+    out_sorted = F.grouped_mm(hidden, w_down.to(dtype), offs=offs)
+    rows = permute_rows(out_sorted, position, order)
+    return rows.view(b, t, k, d), counts
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -271,15 +258,12 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, segments: Segments = WHOLE_ROWS) -> Tensor:
         """x (b, t, d) -> (b, t, d) in x.dtype. segments is unused: the FFN acts per token."""
         scores = self.router_scores(x)
-        shared = None  # the shared expert's rows where the routed experts' GEMMs computed them
         if self.cfg.routing == "token_choice":
-            y, shared = self._token_choice(x, scores)
+            y = self._token_choice(x, scores)
         else:
             y = self._expert_choice(x, scores)
         if self.shared_up is not None:
-            if shared is None:
-                shared = self.shared_down(relu_squared(self.shared_up(x)))
-            y = y + shared.to(y.dtype)
+            y = y + self.shared_down(relu_squared(self.shared_up(x))).to(y.dtype)
         return y.to(x.dtype)
 
     def grouped_dtype(self, x: Tensor) -> torch.dtype | None:
@@ -295,11 +279,8 @@ class MoE(nn.Module):
             return torch.bfloat16
         return None
 
-    def _token_choice(self, x: Tensor, scores: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The routed experts' combined output (b, t, d) and, under ``fuse_shared_expert`` on the grouped
-        dispatch, the shared expert's rows computed in the same grouped GEMMs (else None)."""
+    def _token_choice(self, x: Tensor, scores: Tensor) -> Tensor:
         t, k = x.shape[1], self.cfg.top_k
-        shared = None
         expert_idx, weights = token_choice_route(scores, self.expert_bias, k)  # (b, t, k)
         dtype = self.grouped_dtype(x)
         if self.routed_experts is not None:
@@ -311,15 +292,12 @@ class MoE(nn.Module):
             combine = torch.where(keep, weights, torch.zeros_like(weights))
             self.overflow.copy_((~keep).sum())
         else:
-            # fuse_shared_expert implies a shared expert (MoEConfig.check)
-            shared_weights = ((self.shared_up.weight.t(), self.shared_down.weight.t())
-                              if self.cfg.fuse_shared_expert else None)
-            rows, counts, shared = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype, shared_weights)
+            rows, counts = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype)
             combine = weights
             self.overflow.zero_()  # dropless
         self.tokens_per_expert.copy_(counts)
         # Weighted sum over k in a fixed order, in the router's precision (at least fp32).
-        return (rows.to(combine.dtype) * combine.unsqueeze(-1)).sum(dim=2), shared
+        return (rows.to(combine.dtype) * combine.unsqueeze(-1)).sum(dim=2)
 
     def _expert_choice(self, x: Tensor, scores: Tensor) -> Tensor:
         b, t, d = x.shape

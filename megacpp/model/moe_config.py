@@ -30,9 +30,6 @@ class MoEConfig(ConfigSection):
     # Token choice only. padded: static per-sequence capacity, overflow dropped (the reference, the CPU
     # path); grouped: dropless grouped GEMMs; auto: grouped on CUDA under bf16 autocast, padded otherwise.
     dispatch: Dispatch = "auto"
-    # Where the grouped dispatch runs: the shared expert as one more group of the routed experts' grouped
-    # GEMMs (one GEMM per projection instead of two). Off until measured against the separate GEMMs.
-    fuse_shared_expert: bool = False
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
@@ -40,16 +37,11 @@ class MoEConfig(ConfigSection):
                 "capacity_factor": POSITIVE, "bias_update_rate": NON_NEGATIVE}
 
     def check(self, k: Keys) -> None:
-        """Each token picks top_k distinct experts; fuse_shared_expert needs a shared expert. dispatch =
-        "grouped" forces the dropless grouped GEMMs:
+        """Each token picks top_k distinct experts. dispatch = "grouped" forces the dropless grouped GEMMs:
         token-choice routing, a torch with grouped_mm and 16-byte-aligned rows, or the model cannot be built
         ("auto" falls back instead)."""
         if self.top_k > self.n_experts:
             raise k.error_among(("top_k", "n_experts"), "top_k must be <= n_experts: each token picks distinct experts")
-        if self.fuse_shared_expert and not self.shared_expert:
-            raise k.error_among(("fuse_shared_expert", "shared_expert"),
-                                "fuse_shared_expert puts the shared expert in the routed experts' grouped GEMMs: "
-                                "it needs shared_expert true")
         # Asked only for "grouped": the answer reads the running torch's version, which loads torch.
         if self.dispatch == "grouped" and (problem := grouped_dispatch_problem(k.value("d_model"), self)):
             raise k.error_among(("dispatch", "routing", "d_model", "expert_hidden"), problem)

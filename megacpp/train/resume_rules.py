@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megacpp.model.config import ModelConfig
+from megacpp.model.config import ModelConfig, without_retired
 from megacpp.optim.config import OptimConfig
 from megacpp.runtime.checkpoint import CheckpointError, saved_step_rows
 
@@ -114,7 +114,7 @@ def state_dtype_changes(meta: dict[str, Any], config: dict[str, Any]) -> list[st
 # earlier runs would be unresumable.
 RESUMABLE_MODEL_SETTINGS = frozenset({
     "attention.backend", "loss_kernel", "mamba.scan_kernel", "mamba.scan_matmuls", "moe.dispatch",
-    "moe.fuse_shared_expert", "rnn.w_spectral_cap",
+    "rnn.w_spectral_cap",
 })
 
 
@@ -123,9 +123,9 @@ def model_changes(saved: dict[str, Any], now: dict[str, Any]
     """The differences (key, checkpoint's, now) between a checkpoint's model config and this run's, split
     into those a resume must refuse and those in `RESUMABLE_MODEL_SETTINGS`. A setting either side does not
     record is taken at its default: a checkpoint written before a setting existed trained with the
-    behaviour that setting's default keeps."""
+    behaviour that setting's default keeps; one the code no longer has (`RETIRED_MODEL_SETTINGS`) is dropped."""
     defaults = dataclasses.asdict(ModelConfig())
-    diffs = _dict_diff(_with_defaults(saved, defaults), _with_defaults(now, defaults))
+    diffs = _dict_diff(_with_defaults(without_retired(saved), defaults), _with_defaults(now, defaults))
     refused = [d for d in diffs if d[0] not in RESUMABLE_MODEL_SETTINGS]
     return refused, [d for d in diffs if d[0] in RESUMABLE_MODEL_SETTINGS]
 
