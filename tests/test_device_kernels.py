@@ -51,8 +51,35 @@ def test_tier1_the_command_line_prints_the_tables_and_refuses_zero_steps(tool, t
     out = capsys.readouterr().out
     assert "device busy 0.92 ms per step" in out and "over 1000 µs: 0.5 gaps, 1.00 ms" in out
     assert "_fwd_scan_kernel" not in out  # third by time: beyond --top 2
+    assert "0.92 ms      2.5 events  not traced" in out  # these events carry no correlation id
     with pytest.raises(SystemExit):
         tool.main([str(trace), "--steps", "0"])
     with pytest.raises(SystemExit):
         tool.main([str(tmp_path / "missing.json")])
     assert "no such trace file" in capsys.readouterr().err
+
+
+def _launch(tid: int, ts: float, correlation: int) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 0, "tid": tid,
+            "args": {"correlation": correlation}}
+
+
+def _kernel(name: str, ts: float, dur: float, correlation: int) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7,
+            "args": {"correlation": correlation}}
+
+
+def test_tier1_device_time_goes_to_the_optimizer_step_or_thread_that_launched_it(tool):
+    """Thread 1 launches four kernels, so it is the main thread: one outside any range, two inside Muon's
+    step and one inside AdamW's. Thread 2 launches one (the backward's thread). One kernel's launch is not
+    in the trace."""
+    events = [
+        _launch(1, 0, 10), _launch(2, 5, 11), _launch(1, 100, 12), _launch(1, 120, 13), _launch(1, 200, 14),
+        {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step#Muon.step", "ts": 90, "dur": 50, "pid": 0, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step#AdamW.step", "ts": 195, "dur": 15, "pid": 0, "tid": 1},
+        _kernel("forward", 10, 600, 10), _kernel("backward", 700, 1000, 11), _kernel("ns_a", 1800, 300, 12),
+        _kernel("ns_b", 2200, 100, 13), _kernel("adam", 2400, 60, 14), _kernel("lost", 2500, 200, 99),
+    ]
+    assert tool.launch_ranges(events, steps=2) == [
+        ("thread 2", 0.5, 0.5), ("main thread", 0.3, 0.5), ("Muon.step", 0.2, 1.0), ("not traced", 0.1, 0.5),
+        ("AdamW.step", 0.03, 0.5)]

@@ -7,7 +7,10 @@ gaps are launch latency; a few long ones are the host doing something else).
     python benchmarks/tools/device_kernels.py runs/x/profile/rank0.trace.json --steps 3 [--top 15]
 
 Read it beside the profile line (compute + collectives + idle): this says which compute to attack first
-and whether the idle is spread over the step or sits in one place.
+and whether the idle is spread over the step or sits in one place. The last table gives each device event to
+the host range that launched it (through the trace's correlation ids): each optimizer's step, else the
+launching thread. On CUDA the autograd engine runs the backward on a thread of its own, so a plain run's
+main thread holds the forward (with the loss and the loop's own work) and the other thread the backward.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from host_timeline import load_events
 
-from megacpp.train.profile import BUSY_CATEGORIES, union_intervals
+from megacpp.train.profile import BUSY_CATEGORIES, HOST_API_CATEGORIES, union_intervals
 
 # First match wins: name patterns of the kernels each family's libraries launch on Hopper.
 FAMILIES = (
@@ -69,6 +72,37 @@ def kernel_table(device: list[dict], steps: int) -> dict:
     }
 
 
+def launch_ranges(events: list[dict], steps: int) -> list[tuple[str, float, float]]:
+    """(where, device ms per step, device events per step) for each host range that launched device work:
+    "<Optimizer>.step" for the events an optimizer's step (its ``Optimizer.step#...`` range) launched, else
+    "main thread" (the thread with the most launches) or "thread <tid>"; "not traced" for events whose
+    launch the trace does not hold. Largest first."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in HOST_API_CATEGORIES and "correlation" in e.get("args", {})}
+    steps_by_thread: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if str(e.get("name", "")).startswith("Optimizer.step#"):
+            start = float(e["ts"])
+            steps_by_thread[(e["pid"], e["tid"])].append((start, start + float(e.get("dur", 0)),
+                                                          e["name"].split("#", 1)[1]))
+    per_thread: dict[tuple, int] = defaultdict(int)
+    for launch in launches.values():
+        per_thread[(launch["pid"], launch["tid"])] += 1
+    main = max(per_thread, key=per_thread.__getitem__, default=None)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in device_events(events):
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is None:
+            where = "not traced"
+        else:
+            thread, at = (launch["pid"], launch["tid"]), float(launch["ts"])
+            inside = [name for start, end, name in steps_by_thread.get(thread, []) if start <= at <= end]
+            where = inside[0] if inside else "main thread" if thread == main else f"thread {thread[1]}"
+        totals[where][0] += float(e.get("dur", 0))
+        totals[where][1] += 1
+    return sorted(((w, t / 1000.0 / steps, n / steps) for w, (t, n) in totals.items()), key=lambda x: -x[1])
+
+
 def render(table: dict, top: int) -> str:
     busy = sum(ms for _, ms in table["families"])
     lines = [f"device busy {busy:.2f} ms per step, by family:"]
@@ -79,6 +113,9 @@ def render(table: dict, top: int) -> str:
     for b in table["gaps"]:
         span = f"over {b['from_us']:.0f}" if b["to_us"] == float("inf") else f"{b['from_us']:.0f}-{b['to_us']:.0f}"
         lines.append(f"  {span} µs: {b['count']:.1f} gaps, {b['ms']:.2f} ms")
+    if table.get("launched_by"):
+        lines.append("device time by the host range that launched it, per step:")
+        lines += [f"  {ms:8.2f} ms  {count:7.1f} events  {where}" for where, ms, count in table["launched_by"]]
     return "\n".join(lines)
 
 
@@ -93,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.is_file():
         parser.error(f"{args.trace}: no such trace file (a run with --train.profile_steps N writes "
                      "<out_dir>/profile/rank<R>.trace.json)")
-    print(render(kernel_table(device_events(load_events(args.trace)), args.steps), args.top))
+    events = load_events(args.trace)
+    table = kernel_table(device_events(events), args.steps)
+    table["launched_by"] = launch_ranges(events, args.steps)
+    print(render(table, args.top))
     return 0
 
 
