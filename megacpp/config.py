@@ -28,7 +28,7 @@ from megacpp.compile.config import CompileConfig
 from megacpp.data.config import DataConfig
 from megacpp.distributed.config import DistConfig
 from megacpp.errors import ConfigError
-from megacpp.model.config import ModelConfig
+from megacpp.model.config import RETIRED_MODEL_SETTINGS, ModelConfig
 from megacpp.optim.config import OptimConfig
 from megacpp.rules import Provenance, coerce, field_types
 from megacpp.section import Section
@@ -51,6 +51,9 @@ class Config(Section):
 
 
 def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
+    if key.removeprefix("model.") in RETIRED_MODEL_SETTINGS:  # a close match would name another setting
+        return ConfigError(f"{where}: {key!r} was removed from megacpp (it changed no weight; a checkpoint that "
+                           "records it still loads): delete it")
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")

@@ -206,7 +206,7 @@ def test_tier1_a_setting_the_checkpoint_predates_is_its_default(tmp_path):
 def test_tier1_a_setting_the_code_has_retired_is_dropped_from_a_saved_config(tmp_path, saved_value):
     """moe.fuse_shared_expert was written into checkpoints by the trees that had it; it changed no weight, so
     a resume, and every reader of a saved config, drops it instead of refusing the checkpoint. A file or the
-    command line naming it is still an unknown key."""
+    command line naming it is refused, saying it was removed."""
     cfg = preset("small")
     meta = _resume_meta(cfg)
     meta["config"]["model"]["moe"]["fuse_shared_expert"] = saved_value
@@ -214,8 +214,12 @@ def test_tier1_a_setting_the_code_has_retired_is_dropped_from_a_saved_config(tmp
     check_compatible(meta, to_dict(cfg.model), meta.get("tokenizer_hash"), tmp_path)
     assert to_dict(from_dict(meta["config"])) == to_dict(cfg)
     assert meta["config"]["model"]["moe"]["fuse_shared_expert"] is saved_value  # the caller's dict is not edited
-    with pytest.raises(ConfigError, match=r"unknown config key 'model.moe.fuse_shared_expert'"):
+    with pytest.raises(ConfigError, match=r"'model.moe.fuse_shared_expert' was removed from megacpp .*: delete it"):
         load_config("small", overrides=[("model.moe.fuse_shared_expert", "true")])
+    toml = tmp_path / "old.toml"
+    toml.write_text('preset = "small"\n[model.moe]\nfuse_shared_expert = false\n')
+    with pytest.raises(ConfigError, match=r"old.toml:3: 'model.moe.fuse_shared_expert' was removed"):
+        load_config(path=toml)
 
 
 def test_tier1_files_hashed_side_by_side_keep_each_files_own_digest(tmp_path):

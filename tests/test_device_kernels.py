@@ -83,3 +83,17 @@ def test_tier1_device_time_goes_to_the_optimizer_step_or_thread_that_launched_it
     assert tool.launch_ranges(events, steps=2) == [
         ("thread 2", 0.5, 0.5), ("main thread", 0.3, 0.5), ("Muon.step", 0.2, 1.0), ("not traced", 0.1, 0.5),
         ("AdamW.step", 0.03, 0.5)]
+
+
+def test_tier1_the_main_thread_is_the_one_that_launched_most_and_nested_ranges_go_innermost(tool):
+    """Thread 1 makes five synchronizations and two launches, thread 2 three launches: thread 2 is the main
+    thread. A launch inside Muon's range, itself inside a wrapping optimizer's, is Muon's in either order."""
+    sync = [{**_launch(1, 10 + i, 200 + i), "name": "cudaStreamSynchronize"} for i in range(5)]
+    launches = [_launch(1, 0, 1), _launch(1, 15, 2), *(_launch(2, i, 100 + i) for i in range(3))]
+    kernels = [_kernel("a", 0, 10, 1), _kernel("b", 20, 10, 2), *(_kernel("c", 40 + i, 1, 100 + i) for i in range(3))]
+    outer = {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step#Wrapper.step", "ts": 12, "dur": 100, "pid": 0,
+             "tid": 1}
+    inner = {**outer, "name": "Optimizer.step#Muon.step", "ts": 14, "dur": 5}
+    for ranges in ([outer, inner], [inner, outer]):
+        table = dict((where, ms) for where, ms, _ in tool.launch_ranges([*sync, *launches, *ranges, *kernels], 1))
+        assert table == {"thread 1": 0.01, "Muon.step": 0.01, "main thread": 0.003}

@@ -76,9 +76,9 @@ def launch_ranges(events: list[dict], steps: int) -> list[tuple[str, float, floa
     """(where, device ms per step, device events per step) for each host range that launched device work:
     "<Optimizer>.step" for the events an optimizer's step (its ``Optimizer.step#...`` range) launched, else
     "main thread" (the thread with the most launches) or "thread <tid>"; "not traced" for events whose
-    launch the trace does not hold. Largest first."""
+    launch the trace does not hold. An event launched inside nested ranges goes to the innermost. Largest first."""
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in HOST_API_CATEGORIES and "correlation" in e.get("args", {})}
+                if e.get("cat") in HOST_API_CATEGORIES and "correlation" in (e.get("args") or {})}
     steps_by_thread: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     for e in events:
         if str(e.get("name", "")).startswith("Optimizer.step#"):
@@ -87,17 +87,18 @@ def launch_ranges(events: list[dict], steps: int) -> list[tuple[str, float, floa
                                                           e["name"].split("#", 1)[1]))
     per_thread: dict[tuple, int] = defaultdict(int)
     for launch in launches.values():
-        per_thread[(launch["pid"], launch["tid"])] += 1
+        if "Launch" in str(launch.get("name", "")):  # kernel and graph launches, not copies or syncs
+            per_thread[(launch["pid"], launch["tid"])] += 1
     main = max(per_thread, key=per_thread.__getitem__, default=None)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in device_events(events):
-        launch = launches.get(e.get("args", {}).get("correlation"))
+        launch = launches.get((e.get("args") or {}).get("correlation"))
         if launch is None:
             where = "not traced"
         else:
             thread, at = (launch["pid"], launch["tid"]), float(launch["ts"])
-            inside = [name for start, end, name in steps_by_thread.get(thread, []) if start <= at <= end]
-            where = inside[0] if inside else "main thread" if thread == main else f"thread {thread[1]}"
+            inside = [(start, name) for start, end, name in steps_by_thread.get(thread, []) if start <= at <= end]
+            where = max(inside)[1] if inside else "main thread" if thread == main else f"thread {thread[1]}"
         totals[where][0] += float(e.get("dur", 0))
         totals[where][1] += 1
     return sorted(((w, t / 1000.0 / steps, n / steps) for w, (t, n) in totals.items()), key=lambda x: -x[1])
