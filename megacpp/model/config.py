@@ -5,6 +5,7 @@ Torch-free like every section it composes (each kind's `<kind>_config` module), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megacpp.model.attention_config import AttentionConfig
 from megacpp.model.engram_config import EngramConfig
@@ -26,7 +27,7 @@ MAX_DEPTH = 10_000  # blocks: far beyond any model trained here (nam52 has 52), 
 RETIRED_MODEL_SETTINGS = ("moe.fuse_shared_expert",)
 
 
-def without_retired(saved_model: dict) -> dict:
+def without_retired(saved_model: dict[str, Any]) -> dict[str, Any]:
     """A saved model config (`to_dict`'s shape) without the RETIRED_MODEL_SETTINGS it records."""
     out = {key: dict(value) if isinstance(value, dict) else value for key, value in saved_model.items()}
     for dotted in RETIRED_MODEL_SETTINGS:
