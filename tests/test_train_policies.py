@@ -176,6 +176,30 @@ def test_a_profiled_window_splits_into_compute_exposed_collectives_and_idle():
     assert cpu.kernels == 0 and "no device kernels in the trace (a CPU run)" in cpu.line()
 
 
+def test_tier1_the_profile_line_gives_each_optimizers_step_its_device_time():
+    """Two steps: the main thread launches a forward kernel outside any range and, inside Muon's and then
+    AdamW's step ranges, one kernel each; autograd's thread launches the backward's. Each kernel is found by
+    its launch's correlation id; only what an optimizer's step launched goes to the line's last clause."""
+    def launch(tid, ts, correlation):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 0,
+                "tid": tid, "args": {"correlation": correlation}}
+
+    def kernel(name, ts, dur, correlation):
+        return {**_kernel(name, ts, ts + dur), "pid": 1, "tid": 7, "args": {"correlation": correlation}}
+
+    def step_range(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": f"Optimizer.step#{name}.step", "ts": ts, "dur": dur, "pid": 0,
+                "tid": 1}
+
+    events = [launch(1, 0, 1), launch(2, 5, 2), launch(1, 50, 3), launch(1, 70, 4),
+              step_range("Muon", 40, 20), step_range("AdamW", 65, 10),
+              kernel("forward", 0, 300, 1), kernel("backward", 300, 500, 2), kernel("ns", 800, 140, 3),
+              kernel("adam", 940, 40, 4)]
+    split = split_trace(events, rank=0, first=3, last=4, wall_us=1000.0)
+    assert split.optimizer_ms == {"Muon.step": 0.07, "AdamW.step": 0.02}
+    assert split.line().endswith("; optimizer steps: Muon 0.1 ms, AdamW 0.0 ms")
+
+
 def test_the_profiled_window_starts_at_step_10_where_the_run_allows():
     def window(steps, total):
         profiler = StepProfiler(steps, total, Path("run"), _one_process(), print)

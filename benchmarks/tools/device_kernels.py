@@ -22,7 +22,7 @@ from pathlib import Path
 
 from host_timeline import load_events
 
-from megacpp.train.profile import BUSY_CATEGORIES, HOST_API_CATEGORIES, union_intervals
+from megacpp.train.profile import BUSY_CATEGORIES, device_time_by_launcher, union_intervals
 
 # First match wins: name patterns of the kernels each family's libraries launch on Hopper.
 FAMILIES = (
@@ -73,35 +73,10 @@ def kernel_table(device: list[dict], steps: int) -> dict:
 
 
 def launch_ranges(events: list[dict], steps: int) -> list[tuple[str, float, float]]:
-    """(where, device ms per step, device events per step) for each host range that launched device work:
-    "<Optimizer>.step" for the events an optimizer's step (its ``Optimizer.step#...`` range) launched, else
-    "main thread" (the thread with the most launches) or "thread <tid>"; "not traced" for events whose
-    launch the trace does not hold. An event launched inside nested ranges goes to the innermost. Largest first."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in HOST_API_CATEGORIES and "correlation" in (e.get("args") or {})}
-    steps_by_thread: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
-    for e in events:
-        if str(e.get("name", "")).startswith("Optimizer.step#"):
-            start = float(e["ts"])
-            steps_by_thread[(e["pid"], e["tid"])].append((start, start + float(e.get("dur", 0)),
-                                                          e["name"].split("#", 1)[1]))
-    per_thread: dict[tuple, int] = defaultdict(int)
-    for launch in launches.values():
-        if "Launch" in str(launch.get("name", "")):  # kernel and graph launches, not copies or syncs
-            per_thread[(launch["pid"], launch["tid"])] += 1
-    main = max(per_thread, key=per_thread.__getitem__, default=None)
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in device_events(events):
-        launch = launches.get((e.get("args") or {}).get("correlation"))
-        if launch is None:
-            where = "not traced"
-        else:
-            thread, at = (launch["pid"], launch["tid"]), float(launch["ts"])
-            inside = [(start, name) for start, end, name in steps_by_thread.get(thread, []) if start <= at <= end]
-            where = max(inside)[1] if inside else "main thread" if thread == main else f"thread {thread[1]}"
-        totals[where][0] += float(e.get("dur", 0))
-        totals[where][1] += 1
-    return sorted(((w, t / 1000.0 / steps, n / steps) for w, (t, n) in totals.items()), key=lambda x: -x[1])
+    """(where, device ms per step, device events per step) for each host range that launched device work
+    (`megacpp.train.profile.device_time_by_launcher`), largest first."""
+    totals = device_time_by_launcher(events)
+    return sorted(((w, us / 1000.0 / steps, n / steps) for w, (us, n) in totals.items()), key=lambda x: -x[1])
 
 
 def render(table: dict, top: int) -> str:
