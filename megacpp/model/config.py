@@ -29,12 +29,13 @@ RETIRED_MODEL_SETTINGS = ("moe.fuse_shared_expert",)
 
 def without_retired(saved_model: dict[str, Any]) -> dict[str, Any]:
     """A saved model config (`to_dict`'s shape) without the RETIRED_MODEL_SETTINGS it records."""
-    out = {key: dict(value) if isinstance(value, dict) else value for key, value in saved_model.items()}
-    for dotted in RETIRED_MODEL_SETTINGS:
-        section, key = dotted.split(".")
-        if isinstance(out.get(section), dict):
-            out[section].pop(key, None)
-    return out
+    retired = {tuple(dotted.split(".")) for dotted in RETIRED_MODEL_SETTINGS}
+
+    def kept(section: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        return {key: kept(value, (*path, key)) if isinstance(value, dict) else value
+                for key, value in section.items() if (*path, key) not in retired}
+
+    return kept(saved_model, ())
 
 
 @dataclass

@@ -9,12 +9,12 @@ one line per rank, gathered to rank 0's log and ``metrics.jsonl`` (kind "profile
     + idle 21.3 (12%); collectives 24.8 ms (AllReduce 16.1, AllGather 8.7), 62% hidden under compute
 
 The line ends with the device time each optimizer's step launched ("optimizer steps: Muon 9.9 ms, AdamW
-0.9 ms" on `small`'s H200 step of 98 ms: BENCHMARKS V8), found by following each kernel to the host call
-that launched it. The device timeline is read from the trace's kernel events: NCCL kernels are collectives, every other
-kernel, copy and memset is compute. Exposed collectives are collective time with no compute kernel
-running beside it; idle is the step's wall time with no kernel at all (the host was late, or a rank
-waited for its peers inside a collective that had not started). A scaling loss is then a number with
-a cause, not a guess. On a CPU there are no device kernels, and the line says so.
+0.8 ms" of `small`'s 103 ms step on an H200: BENCHMARKS V9), found by following each kernel to the host
+call that launched it. The device timeline is read from the trace's kernel events: NCCL kernels are
+collectives, every other kernel, copy and memset is compute. Exposed collectives are collective time
+with no compute kernel running beside it; idle is the step's wall time with no kernel at all (the host
+was late, or a rank waited for its peers inside a collective that had not started). A scaling loss is
+then a number with a cause, not a guess. On a CPU there are no device kernels, and the line says so.
 """
 from __future__ import annotations
 
