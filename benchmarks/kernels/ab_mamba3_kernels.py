@@ -11,7 +11,8 @@ variants, so a drift of the GPU's clock reaches all of them. Device time (`timin
 512-token documents, bf16 autocast. --check first runs bench_mamba3's float64 check of this tree's
 kernels; --profile adds each variant's Triton kernels, device ms per step. The variants' table prints as
 soon as their rounds end, the profile and mamba_ssm's layer after it: mamba_ssm's kernels autotune at
-their first call, and two H100 calls limited to 170 and 240 s ended before it (BENCHMARKS.md, I2, I3).
+their first call, and two H100 calls limited to 170 and 240 s ended before it (BENCHMARKS.md, I2, I3); give
+the whole script about 5 minutes (V10 took 292 s on an H200).
 """
 from __future__ import annotations
 
