@@ -1,10 +1,18 @@
 """Shared fixtures."""
-import pytest
-import torch
-import torch._dynamo
+import os
 
-from megacpp.compile.policy import KNOBS
-from tests.helpers import write_corpus
+# Inductor checks each vector ISA the CPU lists by building and loading a small C++ library, in every
+# process whose compile cache is new: ~5 s of CPU each on the 2-core CI machine, where the suite starts
+# ~30 such processes. That probe tests the compiler, not megacpp; set before torch reads its config, and
+# inherited by the tests' subprocesses.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+from megacpp.compile.policy import KNOBS  # noqa: E402
+from tests.helpers import write_corpus  # noqa: E402
 
 
 @pytest.fixture
