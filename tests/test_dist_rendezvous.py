@@ -223,7 +223,12 @@ def test_ranks_whose_torchrun_agent_was_killed_stop_saving_the_step_reached(tmp_
     assert 3 <= step < 500 and trained[-1] == step, "the step reached is saved, nothing trained after it is lost"
     with FileLock(run_dir / ".megacpp.lock", timeout=0):  # raises Timeout while a rank still holds the run
         pass
-    worker_output = "\n".join(p.read_text() for p in logs.rglob("*.log"))
-    assert "Traceback" not in worker_output, worker_output[-3000:]
-    for rank in (0, 1):
-        assert f"megacpp: rank {rank}: its launcher (torchrun's agent, pid {agent.pid}) is gone" in worker_output
+    outputs = {rank: "\n".join(p.read_text() for p in logs.rglob(f"attempt_*/{rank}/*.log")) for rank in (0, 1)}
+    assert all("Traceback" not in out for out in outputs.values()), outputs
+    saw_it = {rank: f"megacpp: rank {rank}: its launcher (torchrun's agent, pid {agent.pid}) is gone" in out
+              for rank, out in outputs.items()}
+    assert any(saw_it.values()), outputs
+    # The first rank to see the agent gone stops as on SIGTERM, and the ranks agree on a stop with each step's
+    # loss: a peer can stop at that step, and save, before its own once-a-second look at its parent.
+    for rank, out in outputs.items():
+        assert saw_it[rank] or f"interrupted at step {step}; saved checkpoint" in out, (rank, out[-3000:])
