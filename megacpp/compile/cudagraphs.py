@@ -8,8 +8,9 @@ left the GPU idle: stretches of steps at 270-300k tok/s among steps at 323k. Rep
 319-323k at their 10th percentile against 273-318k (BENCHMARKS G1).
 
 One process on CUDA only: under torchrun FSDP2 gathers parameters into new storage every step, which a
-graph would copy in (or re-record), and no multi-GPU run has measured it. Bitwise mode keeps the path its
-tests pinned.
+graph would copy in (or re-record); under `replicate`, with this check dropped, `small` on 4 H200s stopped at
+its first replay: Inductor's graph trees found a tensor in their memory pool that no graph output accounts
+for (BENCHMARKS.md, after V12). Bitwise mode keeps the path its tests pinned.
 """
 from __future__ import annotations
 
