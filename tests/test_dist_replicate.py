@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from megacpp.distributed.context import DistContext
-from megacpp.distributed.replicate import assign_owners, optimizer_work
+from megacpp.distributed.replicate import (
+    GRADIENT_ALIGN,
+    assign_owners,
+    flatten_aligned,
+    gradient_offsets,
+    optimizer_work,
+    replicate,
+)
 from megacpp.distributed.strategy import REPLICATE_COPIES, REPLICATE_SHARE, choose_strategy, newton_schulz_steps
 from megacpp.optim import OptimConfig
 from tests.test_optim_standins import TinyHybrid
@@ -46,6 +53,34 @@ def test_the_balance_weighs_the_routed_experts_at_their_own_newton_schulz_iterat
     assert OptimConfig().routed_expert_ns_steps == 5
     assert OptimConfig(expert_ns_steps=3).routed_expert_ns_steps == 3
     assert OptimConfig(expert_optimizer="adamw").routed_expert_ns_steps == 0
+
+
+def test_tier1_a_bucket_holds_each_gradient_at_an_aligned_offset_with_zeros_between():
+    """Each gradient's piece starts at a multiple of GRADIENT_ALIGN elements and holds its values; a missing
+    gradient is zeros, and so is every gap."""
+    params = [torch.empty(3, 5), torch.empty(16), torch.empty(7), torch.empty(2, 17)]
+    offsets = gradient_offsets(params)
+    assert offsets == [0, 16, 32, 48]  # 15, 16 and 7 elements, each rounded up to 16
+    assert all(offset % GRADIENT_ALIGN == 0 for offset in offsets)
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    grads[2] = None
+    flat = flatten_aligned(grads, params, offsets)
+    assert flat.numel() == 48 + 34
+    used = torch.zeros(flat.numel(), dtype=torch.bool)
+    for grad, p, offset in zip(grads, params, offsets, strict=True):
+        piece = flat[offset:offset + p.numel()].view_as(p)
+        assert torch.equal(piece, grad if grad is not None else torch.zeros_like(p))
+        used[offset:offset + p.numel()] = grad is not None
+    assert torch.equal(flat[~used], torch.zeros(int((~used).sum())))
+
+
+def test_replicate_refuses_a_non_contiguous_parameter_naming_it():
+    model = nn.Linear(4, 6, bias=False)
+    model.weight = nn.Parameter(torch.empty(6, 4).t().contiguous().t())  # (6, 4) with transposed strides
+    ctx = DistContext(rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"contiguous parameters; weight has strides \(1, 6\)"):
+        replicate(model, ctx, lambda p: optimizer_work(p.shape, True))
 
 
 def _two_ranks_with(memory: int, monkeypatch) -> DistContext:

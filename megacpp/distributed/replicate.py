@@ -3,9 +3,10 @@ optimizer step, and the optimizer step is sharded by parameter ownership.
 
 - Gradients accumulate locally over a step's micro-batches: no collective per micro-batch. During
   the last micro-batch's backward (`arm`), each bucket of parameters (in backward order, about
-  `BUCKET_BYTES` each) is all-reduced asynchronously as soon as every gradient in it is final (a
-  post-accumulate-grad hook per parameter), so the reduction overlaps the rest of the backward;
-  `finish` waits for the last bucket and leaves every rank holding the mean gradient.
+  `BUCKET_BYTES` each) is copied into one flat buffer and all-reduced asynchronously as soon as every
+  gradient in it is final (a post-accumulate-grad hook per parameter), so the reduction overlaps the rest
+  of the backward; `finish` waits for the last bucket and points each ``.grad`` at its piece of the reduced
+  buffer: every rank holds the mean gradient after one copy of the gradients, not three.
 - Each parameter has one owner rank (`assign_owners`, balanced by an estimate of its optimizer work):
   only the owner holds its optimizer state and steps it, on the whole parameter (Muon orthogonalizes
   whole matrices: exact). `gather_updates` then all-gathers the owners' new values into every replica.
@@ -31,6 +32,9 @@ from megacpp.versions import supports
 # DDP's default bucket is 25 MiB; larger buckets mean fewer launches (a `small` step has ~350 M fp32
 # gradients, 1.4 GB) and still leave all but the last bucket overlapped with the backward.
 BUCKET_BYTES = 64 * 2**20
+# Each gradient's piece of a bucket starts a multiple of this many elements in (64 bytes for fp32), so the
+# compiled optimizer step reads it as aligned as a gradient of its own (Inductor's kernels assume 16 bytes).
+GRADIENT_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,12 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
 
 
 class ReplicatedGradients:
-    """The gradient all-reduce of one replicated model: buckets in backward order, launched in order."""
+    """The gradient all-reduce of one replicated model: buckets in backward order, launched in order.
+
+    A bucket's gradients are copied into one flat buffer (each at an aligned offset), reduced to their
+    mean in place, and each ``.grad`` then becomes a view of its piece: the reduced values are not copied
+    back. On `small` (1.4 GB of fp32 gradients) the mean's separate scaling pass and the copy back were
+    two passes of 2.8 GB each per step on 2 H200s (BENCHMARKS.md, V14)."""
 
     def __init__(self, params: Sequence[nn.Parameter], ctx: DistContext, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.ctx = ctx
@@ -89,11 +98,12 @@ class ReplicatedGradients:
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
+        self.offsets = [gradient_offsets(bucket) for bucket in self.buckets]
         self._bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._ready = [0] * len(self.buckets)
         self._launched = 0
-        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
+        self._pending: list[tuple[dist.Work, Tensor, int]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
 
     def arm(self) -> None:
@@ -104,19 +114,17 @@ class ReplicatedGradients:
         self._pending = []
 
     def finish(self) -> None:
-        """Launch what the backward left (unused parameters), wait for every bucket and write the mean
-        gradient over ranks into each ``.grad`` (None stays None: the same parameters on every rank)."""
+        """Launch what the backward left (unused parameters), wait for every bucket and point each ``.grad``
+        at the mean gradient over ranks (None stays None: the same parameters on every rank)."""
         self._launch_up_to(len(self.buckets))
         self._armed = False
-        scale = 1.0 / self.ctx.world_size
-        for work, flat, bucket in self._pending:
+        for work, flat, index in self._pending:
             work.wait()
-            flat.mul_(scale)
-            grads = [p.grad for p in bucket if p.grad is not None]
-            if grads:
-                pieces = flat.split([p.numel() for p in bucket])
-                torch._foreach_copy_(grads, [piece.view_as(p) for piece, p in zip(pieces, bucket, strict=True)
-                                             if p.grad is not None])
+            if not _averages(flat):
+                flat.mul_(1.0 / self.ctx.world_size)
+            for p, offset in zip(self.buckets[index], self.offsets[index], strict=True):
+                if p.grad is not None:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p)
         self._pending = []
 
     def close(self) -> None:
@@ -134,10 +142,39 @@ class ReplicatedGradients:
 
     def _launch_up_to(self, end: int) -> None:
         while self._launched < end:
-            bucket = self.buckets[self._launched]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-            self._pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+            index = self._launched
+            flat = flatten_aligned([p.grad for p in self.buckets[index]], self.buckets[index], self.offsets[index])
+            op = dist.ReduceOp.AVG if _averages(flat) else dist.ReduceOp.SUM
+            self._pending.append((dist.all_reduce(flat, op=op, async_op=True), flat, index))
             self._launched += 1
+
+
+def gradient_offsets(params: Sequence[Tensor]) -> list[int]:
+    """Where each parameter's gradient starts in its bucket's flat buffer: in order, each at a multiple of
+    `GRADIENT_ALIGN` elements."""
+    offsets, end = [], 0
+    for p in params:
+        offsets.append(end)
+        end += -(-p.numel() // GRADIENT_ALIGN) * GRADIENT_ALIGN
+    return offsets
+
+
+def flatten_aligned(grads: Sequence[Tensor | None], params: Sequence[Tensor], offsets: Sequence[int]) -> Tensor:
+    """One flat buffer holding each gradient at its offset (zeros for a missing one and in the gaps), in one
+    copy of the gradients."""
+    pieces: list[Tensor] = []
+    end = 0
+    for grad, p, offset in zip(grads, params, offsets, strict=True):
+        if offset > end:
+            pieces.append(p.new_zeros(offset - end))
+        pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel()))
+        end = offset + p.numel()
+    return torch.cat(pieces)
+
+
+def _averages(flat: Tensor) -> bool:
+    """Whether the all-reduce of `flat` averages by itself: NCCL's (CUDA tensors) does, gloo's has no AVG."""
+    return flat.device.type == "cuda"
 
 
 class OwnedUpdates:
@@ -190,10 +227,13 @@ def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter],
     """Set up replicate data parallelism for ``model`` (already compiled; identical on every rank).
     ``work(p)`` estimates a parameter's optimizer work, for the ownership balance; parameters that
     are ``local`` (expert parallelism's expert rows, different on every rank) are left alone."""
-    params = [p for p in model.parameters() if p.requires_grad and not local(p)]
-    for p in params:
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and not local(p)]
+    for name, p in named:
         if p.dtype != torch.float32:
-            raise TypeError(f"replicate data parallelism keeps fp32 parameters; one is {p.dtype}")
+            raise TypeError(f"replicate data parallelism keeps fp32 parameters; {name} is {p.dtype}")
+        if not p.is_contiguous():  # its reduced gradient becomes a contiguous view of a flat buffer
+            raise TypeError(f"replicate data parallelism needs contiguous parameters; {name} has strides {p.stride()}")
+    params = [p for _, p in named]
     owners = assign_owners([work(p).cost for p in params], ctx.world_size)
     owned = frozenset(p for p, owner in zip(params, owners, strict=True) if owner == ctx.rank)
     return Replication(ReplicatedGradients(params, ctx), OwnedUpdates(params, owners, ctx), owned)

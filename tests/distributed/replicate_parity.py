@@ -6,9 +6,10 @@
    this rank owns and all-gathers the owners' updates. Given the same (already reduced) gradients for
    4 steps, every parameter of every replica and every moment an owner holds must equal the
    single-device values bitwise.
-2. The gradient reduction: each rank backpropagates its own batch (3 micro-batches, the last one armed);
-   after `finish` every gradient must equal the mean of the ranks' local gradients, exactly on 2
-   ranks (a sum of two fp32 numbers is the same in any order; halving is exact).
+2. The gradient reduction: each rank backpropagates its own batch (3 micro-batches, the last one armed),
+   for two steps; after `finish` every gradient must equal the mean of the ranks' local gradients,
+   exactly on 2 ranks (a sum of two fp32 numbers is the same in any order; halving is exact), and each
+   bucket's gradients must be aligned views of one buffer.
 
 Prints PASS per rank. Usage: torchrun --nproc-per-node=N tests/distributed/replicate_parity.py
 [--adamw-momentum-dtype bfloat16] (AdamW's first moments stored in bf16 by both stacks; Muon's momentum is
@@ -88,14 +89,22 @@ def check_gradient_reduction(ctx: DistContext) -> None:
     replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p.ndim >= 2))
     gen = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own batch
     micro_batches = 3
-    for index in range(micro_batches):
-        idx = torch.randint(0, 97, (2, 24), generator=gen)
-        if index == micro_batches - 1:
-            replication.gradients.arm()
-        loss = model(idx[:, :-1], idx[:, 1:]) / micro_batches
-        loss.backward()
-    local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # before the mean
-    replication.gradients.finish()
+    for step in range(2):  # the second step starts from cleared gradients, as after an optimizer step
+        for index in range(micro_batches):
+            idx = torch.randint(0, 97, (2, 24), generator=gen)
+            if index == micro_batches - 1:
+                replication.gradients.arm()
+            loss = model(idx[:, :-1], idx[:, 1:]) / micro_batches
+            loss.backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # before the mean
+        replication.gradients.finish()
+        check_mean(ctx, model, local, step)
+        check_views(replication)
+        model.zero_grad(set_to_none=True)
+    replication.gradients.close()
+
+
+def check_mean(ctx: DistContext, model: torch.nn.Module, local: dict[str, torch.Tensor], step: int) -> None:
     gathered = ctx.all_gather_objects(local)
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -106,10 +115,21 @@ def check_gradient_reduction(ctx: DistContext) -> None:
             total += rank_grads[name]
         expected = total * (1.0 / ctx.world_size)
         if ctx.world_size == 2:
-            assert torch.equal(p.grad, expected), f"gradient {name}"
+            assert torch.equal(p.grad, expected), f"step {step}: gradient {name}"
         else:  # a ring's sum of three may round in another order: within a few ulps of the mean
             assert (p.grad - expected).abs().max() <= 4 * torch.finfo(torch.float32).eps * total.abs().max(), name
-    replication.gradients.close()
+
+
+def check_views(replication) -> None:
+    """Each bucket's reduced gradients are views of one buffer, each starting 64-byte aligned, shaped and
+    strided as its parameter."""
+    for bucket in replication.gradients.buckets:
+        grads = [p.grad for p in bucket if p.grad is not None]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) <= 1, "one buffer per bucket"
+        for p in bucket:
+            if p.grad is not None:
+                assert p.grad.data_ptr() % 64 == 0, "aligned"
+                assert p.grad.shape == p.shape and p.grad.stride() == p.stride()
 
 
 def main() -> None:
