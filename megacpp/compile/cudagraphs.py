@@ -8,9 +8,11 @@ left the GPU idle: stretches of steps at 270-300k tok/s among steps at 323k. Rep
 319-323k at their 10th percentile against 273-318k (BENCHMARKS G1).
 
 One process on CUDA only: under torchrun FSDP2 gathers parameters into new storage every step, which a
-graph would copy in (or re-record); under `replicate`, with this check dropped, `small` on 4 H200s stopped at
+graph would copy in (or re-record). Under `replicate`, with this check dropped, `small` on 4 H200s stopped at
 its first replay: Inductor's graph trees found a tensor in their memory pool that no graph output accounts
-for (BENCHMARKS.md, after V12). Bitwise mode keeps the path its tests pinned.
+for (BENCHMARKS.md, after V12). On 2 H200s it replayed and gained nothing: 309,846 tokens/s per GPU against
+312,504 without, in one call (V13), where each rank's host already ran ahead of its device. Bitwise mode keeps
+the path its tests pinned.
 """
 from __future__ import annotations
 
