@@ -11,12 +11,14 @@ from megacpp.distributed.replicate import (
     GRADIENT_ALIGN,
     assign_owners,
     flatten_aligned,
+    gather_groups,
     gradient_offsets,
     optimizer_work,
     replicate,
 )
 from megacpp.distributed.strategy import REPLICATE_COPIES, REPLICATE_SHARE, choose_strategy, newton_schulz_steps
 from megacpp.optim import OptimConfig
+from megacpp.optim.stack import read_after_step
 from tests.test_optim_standins import TinyHybrid
 from tests.torchrun import torchrun
 
@@ -29,6 +31,9 @@ def test_owners_balance_the_work_and_every_rank_computes_the_same_assignment():
     # Longest first onto the least loaded: 9 -> 0, 7 -> 1, 6 -> 2, 5 -> 2, 4 -> 1, 4 -> 0, 1 -> 1.
     assert owners == [0, 1, 2, 2, 1, 0, 1] and loads == [13.0, 12.0, 11.0]
     assert assign_owners([1.0], 4) == [0]  # more ranks than parameters: the others own nothing
+    # Continuing from earlier groups' load (updated in place): 3 -> 1 (0 < 5), then 1 -> 1 (3 < 5).
+    load = [5.0, 0.0]
+    assert assign_owners([3.0, 1.0], 2, load) == [1, 1] and load == [5.0, 4.0]
 
 
 def test_optimizer_work_counts_orthogonalization_for_matrices_only():
@@ -73,6 +78,32 @@ def test_tier1_a_bucket_holds_each_gradient_at_an_aligned_offset_with_zeros_betw
         assert torch.equal(piece, grad if grad is not None else torch.zeros_like(p))
         used[offset:offset + p.numel()] = grad is not None
     assert torch.equal(flat[~used], torch.zeros(int((~used).sum())))
+
+
+def test_tier1_the_owners_updates_are_gathered_whole_first_then_in_runs_of_consecutive_blocks():
+    """Group 0 holds what lies outside the blocks and what MuonClip and the spectral cap read after the step;
+    each later group one run of consecutive blocks (4 runs of 5 blocks: 1, 1, 1, 2), landed before the run's
+    first block. Every parameter is in exactly one group."""
+    from megacpp.model.hybrid import HybridLM
+    from megacpp.presets import preset
+
+    cfg = preset("tiny").model
+    cfg.depth, cfg.attention.qk_clip, cfg.rnn.w_spectral_cap = 5, "weight", 1.0
+    model = HybridLM(cfg)
+    assert model.layout == "AEMFR"
+    names = {p: name for name, p in model.named_parameters()}
+    whole = read_after_step(model)
+    assert sorted(names[p] for p in whole) == ["blocks.0.mixer.qkv.weight", "blocks.4.mixer.W"]
+    params = list(model.parameters())
+    groups = gather_groups(model, params, lambda p: p in whole)
+    assert sorted(names[p] for members, _ in groups for p in members) == sorted(names.values())
+    first, *runs = groups
+    assert first[1] is None
+    assert {names[p] for p in first[0]} == {n for n in names.values() if not n.startswith("blocks.")} | {
+        "blocks.0.mixer.qkv.weight", "blocks.4.mixer.W"}
+    assert [block for _, block in runs] == [model.blocks[0], model.blocks[1], model.blocks[2], model.blocks[3]]
+    for (members, _), blocks in zip(runs, [(0,), (1,), (2,), (3, 4)], strict=True):
+        assert {names[p].split(".")[1] for p in members} == {str(b) for b in blocks}
 
 
 def test_replicate_refuses_a_non_contiguous_parameter_naming_it():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,10 +66,11 @@ def optimizer_work(shape: torch.Size, orthogonalized: bool, ns_steps: int = 5) -
     return OptimizerWork(flops, 32.0 * numel)
 
 
-def assign_owners(costs: Sequence[float], world: int) -> list[int]:
+def assign_owners(costs: Sequence[float], world: int, load: list[float] | None = None) -> list[int]:
     """The owner rank of each item: longest-processing-time-first onto the least loaded rank, ties to
-    the lower rank and the earlier item, so every rank computes the same assignment."""
-    load = [0.0] * world
+    the lower rank and the earlier item, so every rank computes the same assignment. ``load`` (updated in
+    place): each rank's work from earlier assignments, which this one continues to balance."""
+    load = [0.0] * world if load is None else load
     owners = [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(world), key=lambda r: (load[r], r))
@@ -177,37 +179,103 @@ def _averages(flat: Tensor) -> bool:
     return flat.device.type == "cuda"
 
 
-class OwnedUpdates:
-    """The all-gather that brings each owner's freshly stepped parameters to every replica."""
+class GatherGroup:
+    """One all-gather of owners' parameters: each rank's owned parameters of the group in a flat slot,
+    padded to the largest slot (all_gather_into_tensor needs equal pieces)."""
 
     def __init__(self, params: Sequence[nn.Parameter], owners: Sequence[int], ctx: DistContext) -> None:
         self.ctx = ctx
         self.by_rank: list[list[nn.Parameter]] = [[] for _ in range(ctx.world_size)]
         for p, owner in zip(params, owners, strict=True):
             self.by_rank[owner].append(p)
-        # One flat slot per rank, padded to the largest: all_gather_into_tensor needs equal pieces.
         self.slot = max(sum(p.numel() for p in ps) for ps in self.by_rank)
 
-    def gather(self) -> None:
+    def launch(self) -> tuple[dist.Work | None, Tensor]:
+        """Start the all-gather of this rank's current values; returns its work and the buffer it fills."""
         mine = self.by_rank[self.ctx.rank]
         device = self.ctx.device
-        local = torch.zeros(self.slot, dtype=torch.float32, device=device)
+        # Only the padding past this rank's parameters is zeroed: zeroing the whole slot was a pass of its own
+        # (0.20 ms a step for `small` on 2 H200s, BENCHMARKS.md V15).
+        used = sum(p.numel() for p in mine)
+        local = torch.empty(self.slot, dtype=torch.float32, device=device)
+        local[used:].zero_()
         if mine:
-            torch.cat([p.detach().reshape(-1) for p in mine], out=local[:sum(p.numel() for p in mine)])
+            torch.cat([p.detach().reshape(-1) for p in mine], out=local[:used])
         everyone = torch.empty(self.slot * self.ctx.world_size, dtype=torch.float32, device=device)
-        _all_gather_single(everyone, local)
-        with torch.no_grad():
-            for rank, params in enumerate(self.by_rank):
-                if rank == self.ctx.rank or not params:
-                    continue
-                slot = everyone[rank * self.slot:(rank + 1) * self.slot]
-                pieces = slot[:sum(p.numel() for p in params)].split([p.numel() for p in params])
-                torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in zip(pieces, params, strict=True)])
+        return _all_gather_single(everyone, local), everyone
+
+    @torch.no_grad()
+    def land(self, work: dist.Work | None, everyone: Tensor) -> None:
+        """Wait for the all-gather and write the other owners' values into their parameters."""
+        if work is not None:
+            work.wait()
+        for rank, params in enumerate(self.by_rank):
+            if rank == self.ctx.rank or not params:
+                continue
+            slot = everyone[rank * self.slot:(rank + 1) * self.slot]
+            pieces = slot[:sum(p.numel() for p in params)].split([p.numel() for p in params])
+            torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in zip(pieces, params, strict=True)])
 
 
-def _all_gather_single(output: Tensor, local: Tensor) -> None:
+class OwnedUpdates:
+    """The all-gathers that bring each owner's freshly stepped parameters to every replica.
+
+    The first group (what the model reads outside its blocks, and what MuonClip and the spectral cap read
+    right after the step) lands in `gather`. The blocks' parameters follow in runs of consecutive blocks:
+    `gather` only starts their all-gathers, and each run lands just before its first block's next forward
+    (a forward pre-hook), so all but the first run's traffic overlaps the forward's compute instead of
+    delaying it: `small` on 2 H200s spent 2.6 ms a step in the all-gather with nothing beside it (BENCHMARKS.md
+    V15), and ran 0.3% and 0.6% faster with the runs (V16). Whatever else reads the weights first calls
+    `complete` (the model's state_dict and load_state_dict do)."""
+
+    def __init__(self, groups: Sequence[tuple[GatherGroup, nn.Module | None]], model: nn.Module) -> None:
+        self.groups = list(groups)
+        self._pending: list[tuple[GatherGroup, dist.Work | None, Tensor]] = []
+        self._hooks = [first.register_forward_pre_hook(self._before(index))
+                       for index, (_, first) in enumerate(self.groups) if first is not None]
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.complete()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.complete()))
+
+    @property
+    def pending(self) -> int:
+        """Groups whose all-gather has not landed yet."""
+        return len(self._pending)
+
+    def gather(self) -> None:
+        """The owners stepped: land the first group now and start the others' all-gathers."""
+        self.complete()
+        for group, _ in self.groups:
+            self._pending.append((group, *group.launch()))
+        self.complete(up_to=self.groups[0][0])
+
+    def complete(self, up_to: GatherGroup | None = None) -> None:
+        """Land the pending all-gathers in order, through the group ``up_to`` (None: all of them)."""
+        while self._pending:
+            group, work, everyone = self._pending.pop(0)
+            group.land(work, everyone)
+            if group is up_to:
+                return
+
+    def close(self) -> None:
+        """Remove the hooks. Pending all-gathers are dropped, not waited for: after a failure a peer may never
+        join them (an orderly run settled its weights for its last sample)."""
+        self._pending = []
+        for hook in self._hooks:
+            hook.remove()
+
+    def _before(self, index: int) -> Callable[..., None]:
+        group = self.groups[index][0]
+
+        def land_before_forward(module: nn.Module, args: Any) -> None:
+            if any(pending is group for pending, _, _ in self._pending):
+                self.complete(up_to=group)
+
+        return land_before_forward
+
+
+def _all_gather_single(output: Tensor, local: Tensor) -> dist.Work | None:
     gather = dist.all_gather_single if supports("all_gather_single") else dist.all_gather_into_tensor
-    gather(output, local)
+    return gather(output, local, async_op=True)
 
 
 @dataclass
@@ -223,10 +291,13 @@ class Replication:
 
 
 def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter], OptimizerWork],
-              local: Callable[[nn.Parameter], bool] = lambda p: False) -> Replication:
+              local: Callable[[nn.Parameter], bool] = lambda p: False,
+              whole_after_step: Callable[[nn.Parameter], bool] = lambda p: False) -> Replication:
     """Set up replicate data parallelism for ``model`` (already compiled; identical on every rank).
     ``work(p)`` estimates a parameter's optimizer work, for the ownership balance; parameters that
-    are ``local`` (expert parallelism's expert rows, different on every rank) are left alone."""
+    are ``local`` (expert parallelism's expert rows, different on every rank) are left alone; those
+    ``whole_after_step`` are gathered before anything after the optimizer step reads them (MuonClip's,
+    the spectral cap's), the other blocks' parameters as the next forward reaches them (`OwnedUpdates`)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and not local(p)]
     for name, p in named:
         if p.dtype != torch.float32:
@@ -234,9 +305,52 @@ def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter],
         if not p.is_contiguous():  # its reduced gradient becomes a contiguous view of a flat buffer
             raise TypeError(f"replicate data parallelism needs contiguous parameters; {name} has strides {p.stride()}")
     params = [p for _, p in named]
-    owners = assign_owners([work(p).cost for p in params], ctx.world_size)
-    owned = frozenset(p for p, owner in zip(params, owners, strict=True) if owner == ctx.rank)
-    return Replication(ReplicatedGradients(params, ctx), OwnedUpdates(params, owners, ctx), owned)
+    load = [0.0] * ctx.world_size
+    groups, owned = [], set()
+    for members, first in gather_groups(model, params, whole_after_step):
+        # Balanced group by group, each continuing from the load of the ones before: every all-gather's
+        # slots stay about equal (little padding) and so does each rank's whole optimizer step.
+        owners = assign_owners([work(p).cost for p in members], ctx.world_size, load)
+        owned.update(p for p, owner in zip(members, owners, strict=True) if owner == ctx.rank)
+        groups.append((GatherGroup(members, owners, ctx), first))
+    return Replication(ReplicatedGradients(params, ctx), OwnedUpdates(groups, model), frozenset(owned))
+
+
+# The blocks' parameters are gathered in this many runs of consecutive blocks: the first run's all-gather
+# is not hidden (only the embedding's work precedes its first block), each later one behind the runs before.
+GATHER_RUNS = 4
+
+
+def gather_groups(model: nn.Module, params: Sequence[nn.Parameter], whole_after_step: Callable[[nn.Parameter], bool]
+                  ) -> list[tuple[list[nn.Parameter], nn.Module | None]]:
+    """``params`` in all-gather groups, in the order they are needed: first those outside the model's
+    ``blocks`` (a ModuleList; a model without one is a single group) or ``whole_after_step``, then the
+    rest of the blocks' in `GATHER_RUNS` runs of consecutive blocks, each with the block that reads it
+    first."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        return [(list(params), None)]
+    runs = _consecutive_runs(list(blocks), GATHER_RUNS)
+    chosen = set(params)
+    run_of: dict[nn.Parameter, int] = {}
+    for index, run in enumerate(runs):
+        for block in run:
+            for p in block.parameters():
+                if p in chosen and not whole_after_step(p):
+                    run_of.setdefault(p, index)
+    groups = [([p for p in params if p not in run_of], None)]
+    for index, run in enumerate(runs):
+        members = [p for p in params if run_of.get(p) == index]
+        if members:
+            groups.append((members, run[0]))
+    return [(members, first) for members, first in groups if members]
+
+
+def _consecutive_runs(items: list[nn.Module], count: int) -> list[list[nn.Module]]:
+    """``items`` in at most ``count`` runs of consecutive items, sizes differing by at most one."""
+    count = min(count, len(items))
+    bounds = [len(items) * i // count for i in range(count + 1)]
+    return [items[bounds[i]:bounds[i + 1]] for i in range(count)]
 
 
 def owned_share(replication: Replication, params: Iterable[nn.Parameter]) -> float:

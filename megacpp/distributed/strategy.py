@@ -35,6 +35,7 @@ from megacpp.distributed.parallelize import fully_shard_model
 from megacpp.distributed.parity import check_parity
 from megacpp.distributed.replicate import OptimizerWork, Replication, optimizer_work, replicate
 from megacpp.model.hints import canonical_name, collect_param_hints
+from megacpp.optim.stack import read_after_step
 
 # The share of a card replicate's resident state may take: the rest is for activations (on `small`
 # at B16 x T2048 they peak near 20 GiB of an 80 GB card) and the allocator's fragmentation.
@@ -80,7 +81,12 @@ class DataParallel:
             self.experts.finish_gradients()
 
     def after_optimizers(self) -> None:
-        """The optimizers stepped: every rank must hold the new weights from here on."""
+        """The optimizers stepped: every rank must hold the new weights before anything reads them (replicate
+        lands the blocks' as the next forward reaches each block: `settle` before any other reader)."""
+
+    def settle(self) -> None:
+        """Every rank holds the whole current weights when this returns (before an evaluation, a checkpoint, a
+        sample, or handing the model back)."""
 
     def close(self) -> None:
         pass
@@ -117,8 +123,12 @@ class ReplicatedParallel(DataParallel):
     def after_optimizers(self) -> None:
         self.replication.updates.gather()
 
+    def settle(self) -> None:
+        self.replication.updates.complete()
+
     def close(self) -> None:
         self.replication.gradients.close()
+        self.replication.updates.close()
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -192,7 +202,8 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         iterations = steps.get(p, 0)
         return optimizer_work(p.shape, iterations > 0, iterations)
 
-    replication = replicate(model, ctx, work, local=lambda p: p in local)
+    whole = read_after_step(model)
+    replication = replicate(model, ctx, work, local=lambda p: p in local, whole_after_step=lambda p: p in whole)
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
 

@@ -173,6 +173,20 @@ class OptimizerStack:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def read_after_step(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters `OptimizerStack.step` reads again after the optimizers stepped: the attention
+    weights MuonClip may rescale (every module following its contract, whether its clip is on or not) and
+    every parameter with a spectral cap. Under replicate they must be whole by then
+    (megacpp.distributed.replicate.OwnedUpdates)."""
+    from megacpp.model.hints import canonical_name, collect_param_hints
+    from megacpp.optim.clip import find_attention_modules
+
+    found = {p for module in find_attention_modules(model) for p in module.qkv.parameters()}
+    capped = {name for name, hint in collect_param_hints(model).items() if hint.max_spectral_norm is not None}
+    found.update(p for name, p in model.named_parameters() if canonical_name(name) in capped)
+    return found
+
+
 def build_optimizers(
     model: nn.Module,
     cfg: OptimConfig,

@@ -256,6 +256,7 @@ class Trainer:
                 "global_batch": self.batch.global_batch, "micro_batch": self.batch.micro_batch}
 
     def save(self) -> Path:
+        self.parallel.settle()
         check_finite_weights(self.ctx, self.model, self.step, self.out_dir)
         state = {"step": self.step, "optim": self.stack.state_dict(), "loader": self.data.loader.state_dict(),
                  "rng": rng_state(self.device), "losses": torch.tensor(self.losses, dtype=torch.float64),
@@ -377,6 +378,7 @@ class Trainer:
                     break
             self._expect_progress(watchdog, "the final sample")
             bar.close()  # the sample's lines begin on a line of their own, not on the bar's
+            self.parallel.settle()  # the sample's steps run no block's forward hook, and the model is handed back
             sample = end_of_run_sample(self.model, self.data.tokenizer, tc, ctx, self.out_dir, self.log,
                                        stop=self.votes.interrupt_requested)
             if sample is None:  # Ctrl-C cut it short; the last step's checkpoint is written
@@ -455,6 +457,7 @@ class Trainer:
         """Validation bits per byte at this step. Ctrl-C before or during it skips (the rest of) it: this
         step is saved and the run stops."""
         self._expect_progress(watchdog, f"evaluation at step {self.step}")
+        self.parallel.settle()
         elapsed = self.votes.elapsed()  # before the evaluation: the time it took to get here
         interrupted_before = self.votes.interrupt_requested()
         evaluation = None if interrupted_before else evaluate_bpb(
@@ -475,6 +478,7 @@ class Trainer:
         Nothing on one process: the fingerprint hashes every unsharded tensor (there: the whole model)."""
         if not self.ctx.distributed:
             return
+        self.parallel.settle()
         extra = {"loader": self.data.loader.state_dict(), "schedule": self.stack.scheduler.state_dict(),
                  "step": self.step}
         check_parity(self.ctx, replica_fingerprint(self.model, extra, self.parallel.expert_params), f"step {self.step}")

@@ -5,7 +5,8 @@
    single-device one over every parameter of a full copy, and replicate's, which steps the parameters
    this rank owns and all-gathers the owners' updates. Given the same (already reduced) gradients for
    4 steps, every parameter of every replica and every moment an owner holds must equal the
-   single-device values bitwise.
+   single-device values bitwise; the blocks' updates land as a forward reaches them (its logits equal the
+   single device's) or when the state_dict is read.
 2. The gradient reduction: each rank backpropagates its own batch (3 micro-batches, the last one armed),
    for two steps; after `finish` every gradient must equal the mean of the ranks' local gradients,
    exactly on 2 ranks (a sum of two fp32 numbers is the same in any order; halving is exact), and each
@@ -28,6 +29,7 @@ from megacpp.distributed.replicate import optimizer_work, replicate
 from megacpp.model.hints import collect_param_hints
 from megacpp.model.hybrid import HybridLM
 from megacpp.optim import build_optimizers
+from megacpp.optim.stack import read_after_step
 from megacpp.presets import preset
 from tests.distributed.teardown import close_group
 
@@ -50,7 +52,9 @@ def check_optimizer_step(ctx: DistContext, adamw_momentum_dtype: str) -> None:
     optim.adamw_momentum_dtype = adamw_momentum_dtype
     model = tiny_model()
     reference = copy.deepcopy(model)
-    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p.ndim >= 2))
+    whole = read_after_step(model)
+    replication = replicate(model, ctx, lambda p: optimizer_work(p.shape, p.ndim >= 2),
+                            whole_after_step=lambda p: p in whole)
     stack = build_optimizers(model, optim, total_steps=10, log=None, hints=collect_param_hints(model),
                              model_compiled=False, owns=replication.owns, after_optimizers=replication.updates.gather)
     ref_stack = build_optimizers(reference, optim, total_steps=10, log=None, model_compiled=False)
@@ -67,6 +71,7 @@ def check_optimizer_step(ctx: DistContext, adamw_momentum_dtype: str) -> None:
             attention.logit_bound.fill_(7.0 + step)
         stack.step()
         ref_stack.step()
+        land_deferred_weights(replication, model, reference, step)
         for name, p in mine.items():
             assert torch.equal(p.detach(), theirs[name].detach()), f"step {step}: parameter {name}"
         reference_moments = ref_stack.moments()
@@ -82,6 +87,21 @@ def check_optimizer_step(ctx: DistContext, adamw_momentum_dtype: str) -> None:
     keys = [key for rank_keys in every for key in rank_keys]
     assert len(keys) == len(set(keys)) == len(ref_stack.moments()), "each moment is held by exactly one rank"
     replication.gradients.close()
+
+
+def land_deferred_weights(replication, model: torch.nn.Module, reference: torch.nn.Module, step: int) -> None:
+    """After the step the blocks' all-gathers are still pending (the parameters MuonClip read were whole). On
+    even steps a forward lands them block run by block run, and its logits equal the reference's bitwise;
+    on odd steps the model's state_dict lands them all at once."""
+    updates = replication.updates
+    assert updates.pending == len(updates.groups) - 1 >= 2, f"step {step}: the block runs wait for the forward"
+    if step % 2 == 0:
+        idx = torch.arange(24).view(2, 12) % 97
+        with torch.no_grad():
+            assert torch.equal(model(idx), reference(idx)), f"step {step}: logits"
+    else:
+        model.state_dict()
+    assert updates.pending == 0, f"step {step}: landed"
 
 
 def check_gradient_reduction(ctx: DistContext) -> None:
