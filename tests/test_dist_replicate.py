@@ -104,6 +104,11 @@ def test_tier1_the_owners_updates_are_gathered_whole_first_then_in_runs_of_conse
     assert [block for _, block in runs] == [model.blocks[0], model.blocks[1], model.blocks[2], model.blocks[3]]
     for (members, _), blocks in zip(runs, [(0,), (1,), (2,), (3, 4)], strict=True):
         assert {names[p].split(".")[1] for p in members} == {str(b) for b in blocks}
+    # A model compiled whole cannot run the hooks' waits inside its graph: one group, landed after the step.
+    ctx = DistContext(rank=0, world_size=2, device=torch.device("cpu"))
+    updates = replicate(model, ctx, lambda p: optimizer_work(p.shape, True), land_in_forward=False).updates
+    assert len(updates.groups) == 1 and updates.groups[0][1] is None
+    assert sorted(names[p] for members in updates.groups[0][0].by_rank for p in members) == sorted(names.values())
 
 
 def test_replicate_refuses_a_non_contiguous_parameter_naming_it():

@@ -292,12 +292,15 @@ class Replication:
 
 def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter], OptimizerWork],
               local: Callable[[nn.Parameter], bool] = lambda p: False,
-              whole_after_step: Callable[[nn.Parameter], bool] = lambda p: False) -> Replication:
+              whole_after_step: Callable[[nn.Parameter], bool] = lambda p: False,
+              land_in_forward: bool = True) -> Replication:
     """Set up replicate data parallelism for ``model`` (already compiled; identical on every rank).
     ``work(p)`` estimates a parameter's optimizer work, for the ownership balance; parameters that
     are ``local`` (expert parallelism's expert rows, different on every rank) are left alone; those
     ``whole_after_step`` are gathered before anything after the optimizer step reads them (MuonClip's,
-    the spectral cap's), the other blocks' parameters as the next forward reaches them (`OwnedUpdates`)."""
+    the spectral cap's), the other blocks' parameters as the next forward reaches them (`OwnedUpdates`),
+    unless ``land_in_forward`` is False (a model compiled whole, whose graph would have to trace the hooks'
+    waits): then all of them land after the step."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and not local(p)]
     for name, p in named:
         if p.dtype != torch.float32:
@@ -307,7 +310,8 @@ def replicate(model: nn.Module, ctx: DistContext, work: Callable[[nn.Parameter],
     params = [p for _, p in named]
     load = [0.0] * ctx.world_size
     groups, owned = [], set()
-    for members, first in gather_groups(model, params, whole_after_step):
+    layout = gather_groups(model, params, whole_after_step) if land_in_forward else [(params, None)]
+    for members, first in layout:
         # Balanced group by group, each continuing from the load of the ones before: every all-gather's
         # slots stay about equal (little padding) and so does each rank's whole optimizer step.
         owners = assign_owners([work(p).cost for p in members], ctx.world_size, load)

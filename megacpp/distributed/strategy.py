@@ -203,7 +203,8 @@ def apply_data_parallel(model: nn.Module, compile_cfg: CompileConfig, dist_cfg: 
         return optimizer_work(p.shape, iterations > 0, iterations)
 
     whole = read_after_step(model)
-    replication = replicate(model, ctx, work, local=lambda p: p in local, whole_after_step=lambda p: p in whole)
+    replication = replicate(model, ctx, work, local=lambda p: p in local, whole_after_step=lambda p: p in whole,
+                            land_in_forward=compile_cfg.mode != "model")
     return ReplicatedParallel(compiled, "replicate", why, experts=experts, replication=replication)
 
 
