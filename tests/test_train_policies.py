@@ -212,6 +212,18 @@ def test_the_profiled_window_starts_at_step_10_where_the_run_allows():
         load_config("tiny", None, [("train.profile_steps", "2"), ("train.steps", "3")])
 
 
+def test_train_profile_from_picks_the_window_and_refuses_one_the_run_cannot_reach():
+    assert StepProfiler(3, 100, Path("run"), _one_process(), print, start=40).first == 40
+    assert StepProfiler(3, 100, Path("run"), _one_process(), print, start=40).last == 42
+    settings = [("train.profile_steps", "3"), ("train.profile_from", "20"), ("train.steps", "22")]
+    cfg, _ = load_config("tiny", None, settings)
+    assert (cfg.train.profile_from, cfg.train.profile_steps) == (20, 3)
+    with pytest.raises(ConfigError, match=r"train.profile_from = 2 must be 0 \(automatic\) or at least 3: steps 1 "):
+        load_config("tiny", None, [("train.profile_steps", "1"), ("train.profile_from", "2")])
+    with pytest.raises(ConfigError, match=r"profiling steps 20-22 needs train.steps >= 22"):
+        load_config("tiny", None, [("train.profile_steps", "3"), ("train.profile_from", "20"), ("train.steps", "21")])
+
+
 def test_tier1_a_profile_asks_kineto_to_detach_cupti_when_it_ends_unless_the_user_chose(monkeypatch, tmp_path):
     """CUPTI left attached slowed every later step of `small` by about 10% (BENCHMARKS A8)."""
     monkeypatch.setenv("TEARDOWN_CUPTI", "")  # records the variable's state before the test, to restore it

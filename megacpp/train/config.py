@@ -54,6 +54,10 @@ class TrainConfig(ConfigSection):
     # each rank's trace under <out_dir>/profile/ and its split of a step into compute, exposed collectives
     # and idle. 0 = off.
     profile_steps: int = 0
+    # The first profiled step (at least 3: steps 1 and 2 compile). 0 = step 10, or as late as a short run allows.
+    # Later windows for several GPUs: on 2 H200s one rank's host lagged in steps 10-12 and the profile's step
+    # took 133 ms against the run's median 104 (BENCHMARKS.md V15).
+    profile_from: int = 0
 
     @classmethod
     def ranges(cls) -> dict[str, Interval]:
@@ -74,6 +78,7 @@ class TrainConfig(ConfigSection):
             "sample_temperature": NON_NEGATIVE,  # 0 = greedy
             "sample_top_k": NON_NEGATIVE,  # 0 = all tokens
             "profile_steps": NON_NEGATIVE,  # 0 = off
+            "profile_from": NON_NEGATIVE,  # 0 = automatic
         }
 
     def check(self, k: Keys) -> None:
@@ -97,6 +102,12 @@ class TrainConfig(ConfigSection):
         if self.profile_steps and self.steps < 2 + self.profile_steps:
             raise k.error_among(("profile_steps", "steps"), f"profiling {self.profile_steps} step(s) after the 2 "
                                 f"warmup steps needs train.steps >= {2 + self.profile_steps}")
+        if 0 < self.profile_from < 3:
+            raise k.error("profile_from", "must be 0 (automatic) or at least 3: steps 1 and 2 compile")
+        if self.profile_steps and self.profile_from and self.profile_from + self.profile_steps - 1 > self.steps:
+            raise k.error_among(("profile_from", "profile_steps", "steps"),
+                                f"profiling steps {self.profile_from}-{self.profile_from + self.profile_steps - 1} "
+                                f"needs train.steps >= {self.profile_from + self.profile_steps - 1}")
 
 
 def recompute_kinds(setting: str) -> frozenset[str]:

@@ -326,7 +326,7 @@ class Trainer:
         out_of_time = False
         checkpoint: Path | None = None
         self.votes.start(after_warmup.enter_context(StopRequest()))
-        profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx, self.log)
+        profiler = StepProfiler(tc.profile_steps, tc.steps, self.out_dir, ctx, self.log, tc.profile_from)
         try:
             t_last = time.perf_counter()
             while self.step < tc.steps:

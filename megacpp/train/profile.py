@@ -1,7 +1,7 @@
 """Where a step's time goes on each rank: compute, collectives and idle, from the torch profiler.
 
-``train.profile_steps = N`` profiles N steps once warmup is over (from step `SETTLED_STEP` where the run is
-long enough, else as late as it allows, never before `FIRST_STEP`),
+``train.profile_steps = N`` profiles N steps once warmup is over (from ``train.profile_from`` when set, else
+from step `SETTLED_STEP` where the run is long enough, else as late as it allows, never before `FIRST_STEP`),
 writes each rank's Chrome trace to ``<out_dir>/profile/rank<R>.trace.json`` (open it in Perfetto) and
 one line per rank, gathered to rank 0's log and ``metrics.jsonl`` (kind "profile"):
 
@@ -200,8 +200,8 @@ class StepProfiler:
     reports every rank's split in rank 0's log and metrics."""
 
     def __init__(self, steps: int, total_steps: int, out_dir: Path, ctx: DistContext,
-                 log: Callable[[str], None]) -> None:
-        self.first = max(FIRST_STEP, min(SETTLED_STEP, total_steps - steps + 1))
+                 log: Callable[[str], None], start: int = 0) -> None:
+        self.first = start or max(FIRST_STEP, min(SETTLED_STEP, total_steps - steps + 1))
         self.last = self.first + steps - 1
         self.active = steps > 0
         self.out_dir, self.ctx, self.log = out_dir, ctx, log
