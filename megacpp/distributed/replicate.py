@@ -9,13 +9,14 @@ optimizer step, and the optimizer step is sharded by parameter ownership.
   buffer: every rank holds the mean gradient after one copy of the gradients, not three.
 - Each parameter has one owner rank (`assign_owners`, balanced by an estimate of its optimizer work):
   only the owner holds its optimizer state and steps it, on the whole parameter (Muon orthogonalizes
-  whole matrices: exact). `gather_updates` then all-gathers the owners' new values into every replica.
+  whole matrices: exact). `OwnedUpdates` then all-gathers the owners' new values into every replica:
+  some at once, the blocks' as the next forward reaches them.
 
-Compared with FSDP2 nothing is gathered in the forward or backward (the model is resident on every
-rank) and no DTensor reaches the step: the traffic per step is one all-reduce of the gradients and
-one all-gather of the weights, both of fp32 values, and the step's optimizer work is divided by the
-number of ranks. It needs the whole model, its gradients and 1/W of the optimizer state on each card
-(`dist.strategy = "auto"` picks it when that fits; megacpp.distributed.strategy).
+Compared with FSDP2 nothing is gathered for the backward and no DTensor reaches the step: the traffic
+per step is one all-reduce of the gradients and one all-gather of the weights (in groups), both of fp32
+values, and the step's optimizer work is divided by the number of ranks. It needs the whole model, its
+gradients and 1/W of the optimizer state on each card (`dist.strategy = "auto"` picks it when that fits;
+megacpp.distributed.strategy).
 """
 from __future__ import annotations
 

@@ -175,8 +175,8 @@ class OptimizerStack:
 
 def read_after_step(model: nn.Module) -> set[nn.Parameter]:
     """The parameters `OptimizerStack.step` reads again after the optimizers stepped: the attention
-    weights MuonClip may rescale (every module following its contract, whether its clip is on or not) and
-    every parameter with a spectral cap. Under replicate they must be whole by then
+    weights MuonClip may rescale (the modules following its contract, which only attention with QK-clip on
+    does) and every parameter with a spectral cap. Under replicate they must be whole by then
     (megacpp.distributed.replicate.OwnedUpdates)."""
     from megacpp.model.hints import canonical_name, collect_param_hints
     from megacpp.optim.clip import find_attention_modules
