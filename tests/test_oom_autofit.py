@@ -35,7 +35,15 @@ from megacpp.runtime.checkpoint import list_checkpoints, verify_checkpoint
 from megacpp.train.autofit.attempt import REPORT_ENV, OomReport, next_micro_batch
 from megacpp.train.autofit.child_output import ChildOutput
 from megacpp.train.autofit.rendezvous import oom_key
-from megacpp.train.autofit.supervisor import Fit, Job, _run_attempt, child_command, child_environment, next_fit
+from megacpp.train.autofit.supervisor import (
+    Fit,
+    Job,
+    PeerReports,
+    _run_attempt,
+    child_command,
+    child_environment,
+    next_fit,
+)
 from megacpp.train.loop import Trainer
 from tests.helpers import tiny_train_args, tiny_train_config, write_corpus
 from tests.torchrun import ROOT, Launch, python, torchrun, worker_env
@@ -373,3 +381,32 @@ def test_two_ranks_retry_together_when_only_rank_1_runs_out_of_memory(tmp_path, 
                                                     **{"train.micro_batch": "1"})], timeout=400).check()
     assert torch.equal(_losses(tmp_path / "retried" / "run"), _losses(tmp_path / "plain" / "run"))
     _assert_same_weights(_final_weights(tmp_path / "retried" / "run"), _final_weights(tmp_path / "plain" / "run"))
+
+
+class _Store:
+    """A job store stand-in: `check` and `get` of one key, counted; `gone` makes every request fail as c10d's
+    do once torchrun's agent, which hosts the store, was killed."""
+
+    def __init__(self, values: dict[str, bytes], gone: bool = False) -> None:
+        self.values, self.gone, self.requests = values, gone, 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests += 1
+        if self.gone:
+            raise RuntimeError("recvValue failed: Connection was likely closed")
+        return all(key in self.values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        self.requests += 1
+        return self.values[key]
+
+
+def test_a_supervisor_reads_a_peers_report_and_stops_asking_a_store_that_is_gone():
+    report = OomReport(rank=1, micro_batch=8, step=2, memory="79.1 of 80.0 GiB", peak_bytes=None, error="CUDA OOM")
+    store = _Store({"megacpp/attempt3/oom": report.to_json().encode()})
+    assert PeerReports(store, 3).get() == report
+    assert PeerReports(_Store({}), 3).get() is None and PeerReports(None, 3).get() is None
+    gone = _Store({}, gone=True)
+    reports = PeerReports(gone, 3)
+    assert reports.get() is None and reports.get() is None
+    assert gone.requests == 1  # every failed request logs a C++ stack trace: asked once, not every POLL_S

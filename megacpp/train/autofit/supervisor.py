@@ -218,11 +218,12 @@ def _run_attempt(job: Job, attempt: int, fit: Fit, argv: list[str], store: Store
         header = (f"=== megacpp auto-fit attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}), micro-batch "
                   f"{fit.micro if fit.micro is not None else 'as configured'}: {shlex.join(command)}")
         output = ChildOutput((proc.stdout, proc.stderr), (sys.stdout, sys.stderr), job.log_path(attempt), header)
-        peer_oom = _wait(proc, attempt, store)
+        reports = PeerReports(store, attempt)
+        peer_oom = _wait(proc, reports)
     _end_stragglers(proc.pid)
     output.close(_stopped_for(peer_oom, job.rank))
     status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-    oom = _read_report(report_path) or peer_oom or _peer_report(store, attempt)
+    oom = _read_report(report_path) or peer_oom or reports.get()
     return Outcome(status, oom, bool(forwarding.received), output)
 
 
@@ -276,7 +277,7 @@ class _ForwardSignals:
             signal.signal(sig, handler)
 
 
-def _wait(proc: subprocess.Popen, attempt: int, store: Store | None) -> OomReport | None:
+def _wait(proc: subprocess.Popen, reports: PeerReports) -> OomReport | None:
     """Wait for the child; under torchrun stop it as soon as a peer reports an out-of-memory error
     (SIGTERM, then SIGKILL after KILL_GRACE_S): it may be blocked in a collective for good."""
     peer: OomReport | None = None
@@ -287,8 +288,8 @@ def _wait(proc: subprocess.Popen, attempt: int, store: Store | None) -> OomRepor
             return peer
         except subprocess.TimeoutExpired:
             pass
-        if peer is None and store is not None:
-            peer = _peer_report(store, attempt)
+        if peer is None:
+            peer = reports.get()
             if peer is not None:
                 proc.terminate()
                 kill_at = time.monotonic() + KILL_GRACE_S
@@ -315,16 +316,24 @@ def _end_stragglers(pgid: int) -> None:
         pass
 
 
-def _peer_report(store: Store | None, attempt: int) -> OomReport | None:
-    """A peer's out-of-memory report, if any. A store that no longer answers (torchrun's agent, its host,
-    was killed: the launcher watch stops this rank, and its child saves) has none to give."""
-    if store is None:
-        return None
-    key = oom_key(attempt)
-    try:
-        return OomReport.from_json(store.get(key)) if store.check([key]) else None
-    except RuntimeError:  # torch's DistStoreError is one
-        return None
+class PeerReports:
+    """A peer's out-of-memory report of one attempt, read from the job's store (None: one process)."""
+
+    def __init__(self, store: Store | None, attempt: int) -> None:
+        self.store = store
+        self.key = oom_key(attempt)
+
+    def get(self) -> OomReport | None:
+        """The report, if a peer wrote one. A store that no longer answers (torchrun's agent, its host, was
+        killed: the launcher watch stops this rank, and its child saves) has none to give, and is not asked
+        again: c10d logs every failed request with its C++ stack trace, and the supervisor asks every POLL_S."""
+        if self.store is None:
+            return None
+        try:
+            return OomReport.from_json(self.store.get(self.key)) if self.store.check([self.key]) else None
+        except RuntimeError:  # torch's DistStoreError is one
+            self.store = None
+            return None
 
 
 def _read_report(path: Path) -> OomReport | None:
