@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megacpp.ops.gram import gram_polynomial
+
 Coefficients = tuple[tuple[float, float, float], ...]
 
 # Polar Express tuples for 5 iterations (safety factor 0.02, cushion 0.02). Each is the optimal odd
@@ -25,6 +27,13 @@ POLAR_EXPRESS: Coefficients = (
 QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
 NORMALIZATIONS = ("polar_express", "torch")
+# The stacks whose Gram products take the Triton kernel (stack size x rows^2 x cols of the short side, the
+# Gram product's multiply-adds). Each call of the kernel's custom op costs the host ~60 µs more than a cuBLAS
+# call in the compiled step (BENCHMARKS.md, V19), so only large stacks gain: on every stack of `small` (~90
+# calls a step) the step's gain was not established (V18); on the experts' stacks only (160 x 768^2 x 1024, 12
+# calls) Muon's device time fell from 9.8 to 8.9 ms and the step ran 0.6-1.1% faster in three alternated pairs
+# (V21).
+GRAM_KERNEL_MIN_WORK = 2**35
 
 
 def coefficient_schedule(
@@ -72,13 +81,14 @@ def orthogonalize(
     split_sizes: split along the output dim (-2), orthogonalize each slice on its own, concatenate.
     fold_identity: how each iteration's products are formed. False: B = b A + c A^2 and X <- a X + B X
     as `baddbmm`s, each sum rounded once in the product's epilogue (the CPU path, whose numerics the
-    tests pin). True: X <- (a I + b A + c A^2) X, the polynomial summed in fp32 in one elementwise pass.
-    cuBLAS's baddbmm first copies its addend into a fresh output buffer: on `small` those were 159
-    copies and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (docs/benchmarks_archive.md); the
-    folded form has none. Both land equally close to U V^T (the tests compare them). None (default):
-    folded on CUDA under torch.compile, where the polynomial is one fused pass; eager, its separate
-    fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager and
-    CPU steps take the epilogue form.
+    tests pin). True: X <- (a I + b A + c A^2) X with A and the polynomial as `gram_polynomial`s (on
+    CUDA one Triton kernel each, the polynomial's terms summed in its epilogue; elsewhere the polynomial
+    summed in fp32 in one elementwise pass). cuBLAS's baddbmm first copies its addend into a fresh output
+    buffer: on `small` those were 159 copies and 2.5 of an optimizer step's 19.5 ms of device time on an
+    H200 (docs/benchmarks_archive.md); the folded form has none. Both land equally close to U V^T (the
+    tests compare them). None (default): folded on CUDA under torch.compile; eager, the reference's
+    separate fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager
+    and CPU steps take the epilogue form.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
@@ -91,13 +101,6 @@ def orthogonalize(
         raise ValueError(f"split_sizes {tuple(split_sizes)} do not sum to {G.shape[-2]} rows")
     parts = torch.split(G, list(split_sizes), dim=-2)
     return torch.cat([_orthogonalize(p, schedule, normalization, eps, fold_identity) for p in parts], dim=-2)
-
-
-def _polynomial(A: Tensor, a: float, b: float, c: float) -> Tensor:
-    """a I + b A + c A^2 for a stack of square matrices A, summed in fp32 and rounded once to A's dtype
-    (one elementwise pass after A^2 under torch.compile)."""
-    eye = torch.eye(A.shape[-1], dtype=torch.float32, device=A.device)
-    return (c * (A @ A).float() + b * A.float() + a * eye).to(A.dtype)
 
 
 def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: float,
@@ -131,13 +134,17 @@ def _epilogue_iterations(X: Tensor, schedule: Coefficients) -> Tensor:
 
 def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool) -> Tensor:
     """The iterations X <- (a I + b A + c A^2) X on X's short side, X (n, rows, cols) as stored. A tall
-    stack is read through transposed views (cuBLAS takes them as they are) and the last product is
-    formed transposed, X^T P^T, so every elementwise pass and the result keep the stored layout: a
-    norm and an update pass over transposed views of `small`'s expert stacks cost 0.8 and 0.9 ms."""
+    stack is read through transposed views (cuBLAS and the Gram kernel take them as they are) and the
+    last product is formed transposed, X^T P^T, so every elementwise pass and the result keep the stored
+    layout: a norm and an update pass over transposed views of `small`'s expert stacks cost 0.8 and 0.9 ms.
+    A and the polynomial are `gram_polynomial`s: symmetric, so on CUDA their kernel computes half the
+    tiles and folds the polynomial's sum into its products (no elementwise pass of its own)."""
     if tall:
         X = X.mT
+    n, rows, cols = X.shape
+    kernel = "auto" if n * rows * rows * cols >= GRAM_KERNEL_MIN_WORK else "reference"
     *steps, (a, b, c) = schedule
     for a_i, b_i, c_i in steps:
-        X = _polynomial(X @ X.mT, a_i, b_i, c_i) @ X
-    P = _polynomial(X @ X.mT, a, b, c)
+        X = gram_polynomial(gram_polynomial(X, 0, 0, 1, kernel), a_i, b_i, c_i, kernel) @ X
+    P = gram_polynomial(gram_polynomial(X, 0, 0, 1, kernel), a, b, c, kernel)
     return X.mT @ P.mT if tall else P @ X
