@@ -27,3 +27,4 @@ def test_doctor_report_sections():
     assert "torch " in report and "tier 1 bit-exact" in report
     assert "megacpp uses gloo (CPU)" in report or "megacpp uses cuda:nccl,cpu:gloo" in report
     assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=" in report and "reshard_after_forward=False" in report
+    assert "Muon's Gram products: matmuls (no CUDA)" in report  # these tests run without CUDA

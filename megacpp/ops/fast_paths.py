@@ -32,4 +32,7 @@ def kernel_report() -> list[str]:
     rows.append("loss head: F.cross_entropy on the soft-capped logits by default; " + (
         "fused Triton loss available on CUDA (model.loss_kernel = auto or triton)" if fused
         else "no fused loss here (no CUDA or no triton)"))
+    rows.append("Muon's Gram products: " + (
+        "Triton kernel of upper tiles for the large stacks (the experts'), cuBLAS for the rest"
+        if torch.cuda.is_available() else "matmuls (no CUDA)"))
     return rows
