@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacpp.optim import orthogonalize as orthogonalize_module
 from megacpp.optim.orthogonalize import POLAR_EXPRESS, QUINTIC, coefficient_schedule, orthogonalize
 
 # Bands of the output's singular values (5 steps, bf16), stated for inputs whose singular values
@@ -93,6 +94,25 @@ def test_tier1_cpu_default_is_the_epilogue_form() -> None:
     g = torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(8))
     assert torch.equal(orthogonalize(g), orthogonalize(g, fold_identity=False))
     assert not torch.equal(orthogonalize(g), orthogonalize(g, fold_identity=True))
+
+
+@pytest.mark.parametrize(("shape", "expected"), [
+    ((160, 768, 1024), "auto"), ((160, 1024, 768), "auto"),  # small's expert stacks, wide and tall: the kernel
+    ((6, 768, 3432), "reference"), ((6, 768, 768), "reference"),  # M's in_proj and attention's: cuBLAS
+    ((64, 1024, 2048), "auto")])  # nam52's expert stacks
+def test_tier1_gram_kernel_takes_only_stacks_past_the_threshold(monkeypatch, shape, expected) -> None:
+    """The folded iterations ask for the Gram kernel on the experts' stacks and for the reference (cuBLAS)
+    on the smaller ones, whose calls cost the host more than the kernel saves (orthogonalize.py's threshold).
+    Meta tensors: the shapes route the call, no arithmetic runs."""
+    seen = []
+
+    def record(M, a, b, c, kernel):
+        seen.append(kernel)
+        return M.new_empty(*M.shape[:-1], M.shape[-2])
+
+    monkeypatch.setattr(orthogonalize_module, "gram_polynomial", record)
+    orthogonalize(torch.empty(shape, device="meta", dtype=torch.bfloat16), steps=3, fold_identity=True)
+    assert seen == [expected] * 6  # two products per iteration
 
 
 def test_tier1_tall_is_transpose_of_wide() -> None:
