@@ -13,7 +13,8 @@ less (0.25 ms) but the device 3.18 ms, and `small`'s step ran slower (V19).
 Contract: M (..., m, k) in any strides; where b != 0, M is square and symmetric (the b M term is read on
 the upper triangle). Returns (..., m, m) in M's dtype, contiguous. The reference is the products as
 `orthogonalize` formed them before the kernel: M Mᵀ in M's dtype, the polynomial's terms summed in fp32
-and rounded once. It is the CPU path.
+and rounded once. It is the CPU path, and on CUDA the path of the stacks too small for the kernel to pay
+(orthogonalize's GRAM_KERNEL_MIN_WORK).
 """
 from __future__ import annotations
 

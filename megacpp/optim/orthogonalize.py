@@ -82,10 +82,11 @@ def orthogonalize(
     fold_identity: how each iteration's products are formed. False: B = b A + c A^2 and X <- a X + B X
     as `baddbmm`s, each sum rounded once in the product's epilogue (the CPU path, whose numerics the
     tests pin). True: X <- (a I + b A + c A^2) X with A and the polynomial as `gram_polynomial`s (on
-    CUDA one Triton kernel each, the polynomial's terms summed in its epilogue; elsewhere the polynomial
-    summed in fp32 in one elementwise pass). cuBLAS's baddbmm first copies its addend into a fresh output
-    buffer: on `small` those were 159 copies and 2.5 of an optimizer step's 19.5 ms of device time on an
-    H200 (docs/benchmarks_archive.md); the folded form has none. Both land equally close to U V^T (the
+    CUDA, for stacks of GRAM_KERNEL_MIN_WORK and more, one Triton kernel each, the polynomial's terms
+    summed in its epilogue; otherwise cuBLAS and the polynomial summed in fp32 in one elementwise pass).
+    cuBLAS's baddbmm first copies its addend into a fresh output buffer: on `small` those were 159 copies
+    and 2.5 of an optimizer step's 19.5 ms of device time on an H200 (docs/benchmarks_archive.md); the
+    folded form has none. Both land equally close to U V^T (the
     tests compare them). None (default): folded on CUDA under torch.compile; eager, the reference's
     separate fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager
     and CPU steps take the epilogue form.
@@ -138,7 +139,8 @@ def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool) -> Tensor:
     last product is formed transposed, X^T P^T, so every elementwise pass and the result keep the stored
     layout: a norm and an update pass over transposed views of `small`'s expert stacks cost 0.8 and 0.9 ms.
     A and the polynomial are `gram_polynomial`s: symmetric, so on CUDA their kernel computes half the
-    tiles and folds the polynomial's sum into its products (no elementwise pass of its own)."""
+    tiles and folds the polynomial's sum into its products (no elementwise pass of its own), for the stacks
+    of GRAM_KERNEL_MIN_WORK and more."""
     if tall:
         X = X.mT
     n, rows, cols = X.shape
