@@ -433,15 +433,46 @@ def test_tier1_grouped_rows_and_grads_equal_padded_with_exact_operands(b, t, k, 
         assert int(results[1][1][unused]) == 0
 
 
+@pytest.mark.parametrize(("b", "t", "k", "n_exp"), [(2, 9, 2, 4), (3, 7, 3, 5), (1, 13, 1, 6)])
+def test_tier1_grouped_rows_with_folded_weights_equal_padded_rows_times_weights(b, t, k, n_exp):
+    """With the combine weights folded into the down projection's input, each row and the gradients of x,
+    w_up, w_down and the weights are bitwise those of the padded rows times the weights. Operands are small
+    integers and the weights powers of two, so every product and sum is exact in fp32 and the two
+    placements of the weight (before the down projection, after it) agree exactly: any difference is the
+    fold's (a weight on the wrong row, a missing gradient path)."""
+    d, hidden = 16, 32
+    gen = torch.Generator().manual_seed(b * 10 + k)
+    x0, up0, down0 = (_exact_operands(s, gen) for s in ((b, t, d), (n_exp, d, hidden), (n_exp, hidden, d)))
+    weights0 = 2.0 ** -torch.randint(0, 4, (b, t, k), generator=gen).float()
+    expert_idx = _routes(b, t, k, n_exp, gen)
+    upstream = _exact_operands((b, t, k, d), gen)
+    results = []
+    for grouped in (False, True):
+        x, up, down, weights = (a.clone().requires_grad_() for a in (x0, up0, down0, weights0))
+        if grouped:
+            rows, _ = grouped_expert_rows(x, expert_idx, up, down, torch.float32, weights)
+        else:
+            rows, _, _ = padded_expert_rows(x, expert_idx, up, down, capacity=t)
+            rows = rows * weights.unsqueeze(-1)
+        (rows * upstream).sum().backward()
+        results.append((rows.detach(), x.grad, up.grad, down.grad, weights.grad))
+    for padded, grouped in zip(*results, strict=True):
+        assert torch.equal(padded, grouped)
+
+
 def test_tier1_grouped_moe_output_equals_padded_with_exact_expert_operands():
-    """The whole block (router, dispatch, fp32 combine, shared expert) gives bitwise the padded output
-    when nothing overflows: expert weights and inputs are small integers, so the expert rows are exact
-    in both dispatches and the rest of the forward is the same code on the same values."""
+    """The whole block (router, dispatch, combine, shared expert) gives bitwise the padded output when
+    nothing overflows. Expert weights and inputs are small integers and the gate is zero, so every score is
+    0.5 and every combine weight 1 / top_k (a power of two): the expert rows are exact in both dispatches
+    and so are the weights' products, before the down projection (grouped) or after it (padded). The
+    selection bias picks the experts (the same pair for every token; the dispatch's own routes are the
+    tests above)."""
     outputs, stats = [], []
     for dispatch in ("padded", "grouped"):
         m = make_moe(seed=21, dtype=torch.float32, n_experts=4, top_k=2, expert_hidden=16, dispatch=dispatch)
         m.cfg.capacity_factor = no_overflow_factor(m.cfg)
         with torch.no_grad():
+            m.gate.weight.zero_()
             m.w_up.copy_(_exact_operands(m.w_up.shape, torch.Generator().manual_seed(1)))
             m.w_down.copy_(_exact_operands(m.w_down.shape, torch.Generator().manual_seed(2)))
         x = _exact_operands((2, 11, D), torch.Generator().manual_seed(3))
@@ -449,12 +480,14 @@ def test_tier1_grouped_moe_output_equals_padded_with_exact_expert_operands():
         stats.append((m.tokens_per_expert.clone(), m.overflow.clone()))
     assert torch.equal(outputs[0], outputs[1])
     assert torch.equal(stats[0][0], stats[1][0]) and int(stats[0][1]) == int(stats[1][1]) == 0
+    assert int((stats[0][0] > 0).sum()) == 2  # the bias's pair took every token
 
 
 def _expert_rows_error_bound(m: MoE, x: torch.Tensor) -> torch.Tensor:
     """Elementwise bound (float64) on |fp32 output - exact output| of the routed experts' combined output,
     from the standard dot-product bound |fl(a.b) - a.b| <= gamma_K sum|a_i b_i|, gamma_K = K u / (1 - K u),
-    carried through relu^2 and the down projection; plus one rounding per combine op."""
+    carried through relu^2 and the down projection; plus one rounding per combine op (the weight's product,
+    before the down projection in the grouped dispatch and after it in the padded one, and the sum over k)."""
     d, hidden = m.d_model, m.cfg.expert_hidden
     gamma = lambda n: n * U32 / (1 - n * U32)  # noqa: E731
     x64 = x.double().reshape(-1, d)

@@ -161,7 +161,7 @@ def expert_order(routed: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor
 
 
 def grouped_expert_rows(
-    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype
+    x: Tensor, expert_idx: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype, weights: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Every (token, slot) assignment's expert output, dropless, as two grouped GEMMs in `dtype`.
 
@@ -172,7 +172,13 @@ def grouped_expert_rows(
     backward gathers by the inverse one (`permute_rows`): deterministic, and compiled, each fuses into
     its neighbour (the cast and the k-fold copy of x; the caller's combine), where scattering into
     zeroed buffers cost two extra passes over the routed rows each way. The number of rows is static;
-    the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing."""
+    the group ends (``offs``) are data on the device: routing shifts change no shape and sync nothing.
+
+    weights (b, t, k), when given, are the combine weights, folded into the down projection's input: each
+    row comes back as weight * expert output (the hidden row relu(h)^2 * weight is formed in fp32 and
+    rounded once to `dtype`), so the caller's combine is a plain sum over k. The weights' gradient is then
+    a sum over the hidden row in the pass that already forms relu^2's gradient, and the combine saves no
+    rows for its backward (where rows * weights did: their gather and its gradient's reduction over d)."""
     b, t, k = expert_idx.shape
     d, n_exp = x.shape[-1], w_up.shape[0]
     n = b * t * k
@@ -180,7 +186,12 @@ def grouped_expert_rows(
     offs = counts.cumsum(dim=0).to(torch.int32)
     x_rep = x.to(dtype).unsqueeze(2).expand(b, t, k, d).reshape(n, d)
     x_sorted = permute_rows(x_rep, order, position)
-    hidden = relu_squared(F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs))
+    up = F.grouped_mm(x_sorted, w_up.to(dtype), offs=offs)
+    if weights is None:
+        hidden = relu_squared(up)
+    else:
+        weights_sorted = permute_rows(weights.reshape(n, 1), order, position)
+        hidden = (relu_squared(up.float()) * weights_sorted).to(dtype)
     out_sorted = F.grouped_mm(hidden, w_down.to(dtype), offs=offs)
     rows = permute_rows(out_sorted, position, order)
     return rows.view(b, t, k, d), counts
@@ -292,9 +303,14 @@ class MoE(nn.Module):
             combine = torch.where(keep, weights, torch.zeros_like(weights))
             self.overflow.copy_((~keep).sum())
         else:
-            rows, counts = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype)
-            combine = weights
-            self.overflow.zero_()  # dropless
+            # Dropless, the combine weights folded into the down projection's input: the combine's own
+            # backward (the weights' gradient over d, the saved rows' gather) goes, ~0.1 ms of each E layer
+            # at `small`; its step ran +0.35% in the median of five alternated pairs and its peak memory is
+            # 1 GiB lower (BENCHMARKS.md, V23-V25).
+            rows, counts = grouped_expert_rows(x, expert_idx, self.w_up, self.w_down, dtype, weights)
+            self.overflow.zero_()
+            self.tokens_per_expert.copy_(counts)
+            return rows.to(weights.dtype).sum(dim=2)  # over k in a fixed order, in the router's precision
         self.tokens_per_expert.copy_(counts)
         # Weighted sum over k in a fixed order, in the router's precision (at least fp32).
         return (rows.to(combine.dtype) * combine.unsqueeze(-1)).sum(dim=2)
