@@ -277,3 +277,17 @@ def test_tier1_compiled_mixer_follows_the_determinism_mode(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(bitwise_mode, exact, strict=True))
     assert torch.equal(fast_mode[0], exact[0])  # the fast op's reference computes y exactly
     assert not all(torch.equal(a, b) for a, b in zip(fast_mode[1:], exact[1:], strict=True))  # fp16 states
+
+
+@pytest.mark.parametrize("dv, kernel, warps", [(16, "_fused_bwd_kernel", 1), (32, "_fused_bwd_kernel", 4),
+                                               (128, "_fast_chain_kernel", 4)])
+def test_tier1_backward_warps_follow_the_value_width(dv, kernel, warps):
+    """The fused backward runs at `narrow_bwd_warps` (1) up to dv 16, the width it was timed at, and at
+    `bwd_warps` (4) above it; dv 128 takes the split backward at `bwd_warps`. Read from the launches the
+    backward describes on meta tensors, as the kernel prewarm compiles them."""
+    b, t, n_heads, dk = 2, 5, 3, 32
+    q, k = torch.empty(b, t, n_heads, dk), torch.empty(b, t, n_heads, dk)
+    v, f, W = torch.empty(b, t, n_heads, dv), torch.empty(b, t, n_heads), torch.empty(n_heads, dv, dv)
+    launches = fast.backward_launches(q, k, v, f, W, half_dot=True, half_states=True)
+    assert launches[0].kernel.__name__ == kernel
+    assert {launch.meta["num_warps"] for launch in launches if launch.kernel is launches[0].kernel} == {warps}

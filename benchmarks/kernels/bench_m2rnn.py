@@ -12,10 +12,10 @@ path (the default on CUDA, megacpp/ops/m2rnn_triton_fast.py), at `small`'s R siz
 2. Scan ops (B --batch x T --seq, float32, no last-state gradient as in training): forward, backward and
    both, in ms (median of --iters after warmup), for the exact kernels, each fast variant
    (precision x states x backward) and the launch alternatives of m2rnn_triton_fast.FastTuning.
-   The fast default also at value_dim 32 and 16 (--narrow-values).
+   The fast default also at value_dim 32 and 64 (--other-values).
 3. The R mixer compiled (Inductor) under bf16 autocast: forward, backward and both, in ms, and peak
-   memory, for the exact path and the fast default at --value-dim, and the fast default at 32 and 16
-   (`small`'s other shapes): what a narrower value width buys in speed.
+   memory, for the exact path and the fast default at --value-dim (16, `small`'s), and the fast default at
+   the other widths: what the value width costs in speed.
 Prints a table last. The fast default is what `m2rnn_scan` runs in fast mode (m2rnn_scan.FAST_SCAN and
 m2rnn_triton_fast.TUNING); a faster row of section 2 is the candidate for those defaults.
 """
@@ -73,7 +73,9 @@ def variants() -> list[Variant]:
                 tuning=tuned(fused_backward=False, bwd_warps=1)),
         Variant("  default, fwd 2 warps", tuning=tuned(fwd_warps=2)),
         Variant("  default, fwd 4 warps", tuning=tuned(fwd_warps=4)),
-        Variant("  default, fused bwd 2 warps", tuning=tuned(bwd_warps=2)),
+        Variant("  default, fused bwd 2 warps", tuning=tuned(bwd_warps=2, narrow_bwd_warps=2)),
+        Variant("  default, fused bwd 4 warps", tuning=tuned(bwd_warps=4, narrow_bwd_warps=4)),
+        Variant("  default, fused bwd 1 warp at every width", tuning=tuned(bwd_warps=1, narrow_bwd_warps=1)),
         Variant("  default, 32 rows, fwd 2 / bwd 4 warps", tuning=tuned(block=32, fwd_warps=2)),
         Variant("  default, 2 stages", tuning=tuned(stages=2)),
         Variant("  default, 4 stages", tuning=tuned(stages=4)),
@@ -222,7 +224,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--key-dim", type=int, default=64)
-    p.add_argument("--value-dim", type=int, default=64)
+    p.add_argument("--value-dim", type=int, default=16, help="`small`'s width (default 16)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
@@ -231,8 +233,8 @@ def main() -> None:
     # the timing share their compiled kernels (the interpreter tests cover odd sizes).
     p.add_argument("--check-batch", type=int, default=16)
     p.add_argument("--check-seq", type=int, default=256)
-    p.add_argument("--narrow-values", type=int, nargs="*", default=[32, 16],
-                   help="value widths timed beside --value-dim in the compiled mixer")
+    p.add_argument("--other-values", type=int, nargs="*", default=[32, 64],
+                   help="other value widths timed beside --value-dim, scan ops and compiled mixer (default 32 64)")
     p.add_argument("--skip-sweep", action="store_true", help="time only the exact and the default scan ops")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on CPU (run under TRITON_INTERPRET=1), mixer on aot_eager: checks the script")
@@ -240,7 +242,7 @@ def main() -> None:
     backend = "inductor"
     if args.dry_run:
         dims = dict(d_model=32, heads=2, key_dim=16, value_dim=32, batch=2, seq=8, iters=1, warmup=0, check_batch=1,
-                    check_seq=5, narrow_values=[16])
+                    check_seq=5, other_values=[16])
         for name, value in dims.items():
             setattr(args, name, value)
         dev, backend = torch.device("cpu"), "aot_eager"
@@ -251,7 +253,7 @@ def main() -> None:
 
     scan_rows = []
     runs = [(variant, args.value_dim) for variant in (all_variants[:2] if args.skip_sweep else all_variants)]
-    runs += [(all_variants[1], value_dim) for value_dim in args.narrow_values]
+    runs += [(all_variants[1], value_dim) for value_dim in args.other_values]
     for variant, value_dim in runs:
         inputs = scan_inputs(args.batch, args.seq, args.heads, args.key_dim, value_dim, dev)
         times = time_scan(variant, inputs, dev, args)
@@ -262,7 +264,7 @@ def main() -> None:
         del inputs
 
     mixer_rows: list[tuple[str, float, float, float, float]] = []
-    mixer_runs = [(args.value_dim, False), (args.value_dim, True)] + [(dv, True) for dv in args.narrow_values]
+    mixer_runs = [(args.value_dim, False), (args.value_dim, True)] + [(dv, True) for dv in args.other_values]
     for value_dim, fast in mixer_runs:
         name = f"{'fast default' if fast else 'exact'}, value_dim {value_dim}"
         times = time_mixer(args, dev, value_dim, fast, backend)

@@ -55,12 +55,18 @@ class FastTuning:
     # The fused backward holds grad_W's (dv x dv) fp32 tile: at 64 x 64 it spills at 1 warp (484 bytes)
     # and 2 (60), fits at 4 (128 registers); the split backward's chain fits 1 warp (133 registers).
     bwd_warps: int = 4
+    # The fused backward at dv <= NARROW_DV (`small`'s and `nam52`'s width, 16): the 16 x 16 tiles fit one
+    # warp, whose reductions over rows and columns then need no exchange between warps. At `small`'s R
+    # sizes on an H200: 1.36 ms against 1.92 at 4 warps (1.42 at 2), and the step +1.6% (BENCHMARKS.md, R4).
+    narrow_bwd_warps: int = 1
     stages: int = 3  # the next two steps' inputs are in flight during a step (software pipelining)
     fused_backward: bool = True  # one backward kernel, no dL/dp buffer (dv <= FUSED_MAX_DV)
     approx_tanh: bool = True  # `tanh.approx.f32` on CUDA (sm_75+); the formula elsewhere
 
 
 TUNING = FastTuning()
+# The widest value dimension that takes `narrow_bwd_warps` (the width it was measured at).
+NARROW_DV = 16
 # The fused backward keeps a (dv x dv) fp32 grad_W tile per program; at dv 128 it spills even at 4 warps
 # (sm_90: 32 bytes), so wider heads take the split backward.
 FUSED_MAX_DV = 64
@@ -274,6 +280,8 @@ def scan_bwd_fast(q: Tensor, k: Tensor, v: Tensor, f: Tensor, W: Tensor, states:
     meta = {"DK": dk, "DV": dv, "BLOCK": block, "OPERAND": operand, "HAS_GL": has_gl, "STAGES": TUNING.stages,
             "EMULATE": _emulate(q.device), "num_warps": _warps(TUNING.bwd_warps, dv)}
     if TUNING.fused_backward and dv <= FUSED_MAX_DV:
+        if dv <= NARROW_DV:
+            meta["num_warps"] = TUNING.narrow_bwd_warps
         grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
         grad_v_part = v.new_empty(grid[2], *v.shape)
         grad_f_part = f.new_empty(grid[2], *f.shape)
