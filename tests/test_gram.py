@@ -63,8 +63,13 @@ def _case_report(case: tuple, seed: int) -> dict:
     out = gram_polynomial_triton(M, a, b, c, block=tile, block_k=inner_tile, num_warps=4)
     excess = (out.double() - _exact(M, a, b, c)).abs() - _bound(M, a, b, c)
     through_op = gram_polynomial(M, a, b, c, kernel="triton")
+    # Only the off-diagonal tiles are mirrored; a diagonal tile is one product, whose (i, j) and (j, i)
+    # sums may run in different orders (the interpreter's numpy matmul does on some CPUs).
+    tile_of = torch.arange(m) // tile
+    mirrored = tile_of[:, None] != tile_of[None, :]
     return {"shape": list(out.shape), "dtype": str(out.dtype), "contiguous": out.is_contiguous(),
-            "worst_excess": excess.max().item(), "symmetric": torch.equal(out, out.mT),
+            "worst_excess": excess.max().item(),
+            "mirrored_equal": torch.equal(out[..., mirrored], out.mT[..., mirrored]),
             "op_equal": torch.equal(through_op, gram_polynomial_triton(M, a, b, c))}
 
 
@@ -86,7 +91,7 @@ def test_tier3_kernel_within_bound_of_float64_interpreted(report_by_case, index)
     assert report["shape"] == [*shape, m, m]
     assert report["dtype"] == "torch.float32" and report["contiguous"]
     assert report["worst_excess"] <= 0, report
-    assert report["symmetric"], report  # the mirrored tiles are the computed ones, bit for bit
+    assert report["mirrored_equal"], report  # the mirrored tiles are the computed ones, bit for bit
     assert report["op_equal"], report  # the custom op runs the same kernel
 
 
