@@ -57,7 +57,7 @@ class FastTuning:
     bwd_warps: int = 4
     # The fused backward at dv <= NARROW_DV (`small`'s and `nam52`'s width, 16): the 16 x 16 tiles fit one
     # warp, whose reductions over rows and columns then need no exchange between warps. At `small`'s R
-    # sizes on an H200: 1.36 ms against 1.92 at 4 warps (1.42 at 2), and the step +1.6% (BENCHMARKS.md, R4).
+    # sizes on an H200: 1.36 ms against 1.92 at 4 warps (1.42 at 2), and the step +1.6% (BENCHMARKS.md, R4, V27).
     narrow_bwd_warps: int = 1
     stages: int = 3  # the next two steps' inputs are in flight during a step (software pipelining)
     fused_backward: bool = True  # one backward kernel, no dL/dp buffer (dv <= FUSED_MAX_DV)
