@@ -235,7 +235,7 @@ def test_tier1_matrix_by_matrix_stages_equal_the_stacked_arithmetic() -> None:
     second = [torch.rand(2, 1, 40, generator=gen) for _ in range(n)]
     beta2 = torch.tensor(0.95, dtype=torch.float64)
     lr, wd = torch.tensor(0.02, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
-    plan = BucketPlan(None, 1.3, True, True, True, POLAR_EXPRESS, "polar_express", 1e-6)
+    plan = BucketPlan(None, 1.3, True, True, True, POLAR_EXPRESS, "polar_express", 1e-6, "auto")
     stacked_param = torch.stack(params)
     scale = variance_scale(ortho.float(), [s.clone() for s in second], beta2)
     update = ortho.float() * scale
@@ -307,3 +307,19 @@ def test_tier1_a_step_in_parts_equals_the_step_in_one_call(monkeypatch):
                        [t.clone() for p in params for t in opt.state[p].values() if torch.is_tensor(t)])
     assert len(step_parts(opt.buckets(), 2)) == 2
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("choice", ["auto", "reference"])
+def test_tier1_the_gram_kernel_setting_reaches_every_muon_bucket(choice):
+    """`optim.muon_gram_kernel` goes from the config through the stack's Muon to every bucket's plan, which
+    hands it to `orthogonalize`; Muon refuses a choice it does not know, naming the choices."""
+    from megacpp.optim import OptimConfig, build_optimizers
+    from megacpp.optim.hparams import gradient_stand_in
+    from tests.test_optim_standins import TinyHybrid
+
+    stack = build_optimizers(TinyHybrid(), OptimConfig(muon_gram_kernel=choice), log=None)
+    (muon,) = [opt for opt in stack.optimizers if isinstance(opt, Muon)]
+    plans = [bucket.plan for bucket in muon.buckets(gradient_stand_in)]
+    assert len(plans) >= 3 and {plan.gram_kernel for plan in plans} == {choice}
+    with pytest.raises(ValueError, match=r"unknown gram_kernel 'triton'; expected one of \('auto', 'reference'\)"):
+        Muon([nn.Parameter(torch.zeros(4, 4))], gram_kernel="triton")

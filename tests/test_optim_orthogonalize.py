@@ -115,6 +115,23 @@ def test_tier1_gram_kernel_takes_only_stacks_past_the_threshold(monkeypatch, sha
     assert seen == [expected] * 6  # two products per iteration
 
 
+def test_tier1_gram_kernel_reference_keeps_every_stack_on_cublas(monkeypatch) -> None:
+    """`gram_kernel="reference"` (`optim.muon_gram_kernel`) routes even the experts' stacks to the reference;
+    an unknown choice is refused with the choices named."""
+    seen = []
+
+    def record(M, a, b, c, kernel):
+        seen.append(kernel)
+        return M.new_empty(*M.shape[:-1], M.shape[-2])
+
+    monkeypatch.setattr(orthogonalize_module, "gram_polynomial", record)
+    experts = torch.empty(160, 768, 1024, device="meta", dtype=torch.bfloat16)
+    orthogonalize(experts, steps=3, fold_identity=True, gram_kernel="reference")
+    assert seen == ["reference"] * 6
+    with pytest.raises(ValueError, match=r"unknown gram_kernel 'triton'; expected one of \('auto', 'reference'\)"):
+        orthogonalize(experts, steps=3, fold_identity=True, gram_kernel="triton")
+
+
 def test_tier1_tall_is_transpose_of_wide() -> None:
     g = torch.randn(40, 100, generator=torch.Generator().manual_seed(3))
     assert torch.equal(orthogonalize(g.T.contiguous()), orthogonalize(g).T)

@@ -33,6 +33,7 @@ def kernel_report() -> list[str]:
         "fused Triton loss available on CUDA (model.loss_kernel = auto or triton)" if fused
         else "no fused loss here (no CUDA or no triton)"))
     rows.append("Muon's Gram products: " + (
-        "Triton kernel of upper tiles for the large stacks (the experts'), cuBLAS for the rest"
+        "Triton kernel of upper tiles for the large stacks (the experts'), cuBLAS for the rest "
+        "(optim.muon_gram_kernel = auto; reference: cuBLAS for all)"
         if torch.cuda.is_available() else "matmuls (no CUDA)"))
     return rows

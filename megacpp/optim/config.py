@@ -47,6 +47,10 @@ class OptimConfig(ConfigSection):
     # Newton-Schulz iterations for the routed experts' weights under Muon (None = ns_steps): their
     # orthogonalization is most of Muon's products at `small` (docs/optim.md, "Experts").
     expert_ns_steps: int | None = None
+    # Muon's Gram products on CUDA: "auto" runs megacpp's Triton kernel on the stacks where it measured
+    # faster (the routed experts': docs/decisions.md), "reference" keeps every stack on cuBLAS and Inductor
+    # (the products as before the kernel: to compare, or to rule the kernel out of a report).
+    muon_gram_kernel: Literal["auto", "reference"] = "auto"
 
     # AdamW (embeddings, heads, norms, biases, scalars, tagged parameters)
     adamw_lr: float = 3e-3

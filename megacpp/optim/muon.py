@@ -30,6 +30,7 @@ from megacpp.optim.hparams import GradientOf, StepCall, TensorHParamOptimizer, g
 from megacpp.optim.local import is_sharded, local_tensor
 from megacpp.optim.muon_spec import second_moment_shape
 from megacpp.optim.orthogonalize import (
+    GRAM_KERNELS,
     NORMALIZATIONS,
     QUINTIC,
     Coefficients,
@@ -61,6 +62,7 @@ class BucketPlan(NamedTuple):
     coefficients: Coefficients
     normalization: str
     eps: float
+    gram_kernel: str
 
 
 def variance_scale(update: Tensor, second_moments: list[Tensor], beta2: Tensor) -> Tensor:
@@ -115,7 +117,7 @@ def orthogonalize_bucket(update: Tensor, plan: BucketPlan) -> Tensor:
     """Stacked whole matrices (n, ..., A, B) -> their bf16 orthogonalization under the bucket's plan."""
     return orthogonalize(
         update, len(plan.coefficients), plan.split_sizes, plan.coefficients,
-        normalization=plan.normalization, eps=plan.eps,
+        normalization=plan.normalization, eps=plan.eps, gram_kernel=plan.gram_kernel,
     )
 
 
@@ -236,6 +238,8 @@ class Muon(TensorHParamOptimizer):
     Hyperparameters lr, weight_decay, momentum and beta2 are 0-D tensors (see TensorHParamOptimizer).
     Per-group settings beyond torch's: ``lr_scaling`` ("original" | "match_rms_adamw") and
     ``split_sizes`` (row sizes of a fused QKV matrix, orthogonalized slice by slice; None = whole).
+    ``gram_kernel`` ("auto" | "reference", the optimizer's, not a group's: it changes how the products run,
+    not what they are) is `orthogonalize`'s: "reference" keeps every stack off the Triton Gram kernel.
 
     Parameters may be FSDP2 DTensors sharded on dim 0 when every shard holds whole matrices, i.e. for
     stacked (E, A, B) parameters; row-sharded 2-D matrices need megacpp.distributed.muon.ShardedMuon, which
@@ -267,7 +271,11 @@ class Muon(TensorHParamOptimizer):
         momentum_dtype: torch.dtype | str = torch.bfloat16,
         compile_step: bool = False,
         compile_backend: str = "inductor",
+        gram_kernel: str = "auto",
     ) -> None:
+        if gram_kernel not in GRAM_KERNELS:
+            raise ValueError(f"unknown gram_kernel {gram_kernel!r}; expected one of {GRAM_KERNELS}")
+        self.gram_kernel = gram_kernel
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2, nesterov=nesterov,
             variance_reduction=variance_reduction, cautious_weight_decay=cautious_weight_decay,
@@ -330,7 +338,7 @@ class Muon(TensorHParamOptimizer):
                 plan = BucketPlan(
                     group["split_sizes"], lr_ratio(shape, group["lr_scaling"]), group["nesterov"],
                     group["cautious_weight_decay"], group["variance_reduction"], coefficients,
-                    group["normalization"], group["eps"],
+                    group["normalization"], group["eps"], self.gram_kernel,
                 )
                 found.append(Bucket(ps, group, plan))
         return found

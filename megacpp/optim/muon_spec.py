@@ -28,7 +28,7 @@ def _muon_settings(cfg: OptimConfig) -> dict[str, Any]:
         lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
         beta2=cfg.variance_beta2, variance_reduction=cfg.variance_reduction,
         cautious_weight_decay=cfg.cautious_weight_decay, coefficients=cfg.ns_coefficients, ns_steps=cfg.ns_steps,
-        lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype,
+        lr_scaling=cfg.muon_lr_scaling, momentum_dtype=cfg.momentum_dtype, gram_kernel=cfg.muon_gram_kernel,
     )
 
 

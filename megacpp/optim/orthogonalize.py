@@ -34,6 +34,8 @@ NORMALIZATIONS = ("polar_express", "torch")
 # calls) Muon's device time fell from 9.8 to 8.9 ms and the step ran 0.6-1.1% faster in three alternated pairs
 # (V21); `nam52`'s at depth 12 (64 x 1024^2 x 2048) ran 2.8% faster (V22).
 GRAM_KERNEL_MIN_WORK = 2**35
+# "auto": the kernel for the stacks above on CUDA; "reference": cuBLAS and Inductor's pass for every stack.
+GRAM_KERNELS = ("auto", "reference")
 
 
 def coefficient_schedule(
@@ -72,6 +74,7 @@ def orthogonalize(
     normalization: str = "polar_express",
     eps: float = 1e-6,
     fold_identity: bool | None = None,
+    gram_kernel: str = "auto",
 ) -> Tensor:
     """Approximate U V^T of G = U S V^T for a matrix or a stack of matrices (..., A, B); returns bf16.
 
@@ -90,27 +93,32 @@ def orthogonalize(
     tests compare them). None (default): folded on CUDA under torch.compile; eager, the reference's
     separate fp32 passes cost more than the copies (`small`'s eager Muon step 55 against 41 ms), so eager
     and CPU steps take the epilogue form.
+    gram_kernel: "auto" lets the folded form's large stacks take the Triton kernel; "reference" keeps every
+    stack on cuBLAS (megacpp.ops.gram's reference), the products as they were before the kernel.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
+    if gram_kernel not in GRAM_KERNELS:
+        raise ValueError(f"unknown gram_kernel {gram_kernel!r}; expected one of {GRAM_KERNELS}")
     schedule = coefficient_schedule(coefficients, steps)
     if split_sizes is None:
-        return _orthogonalize(G, schedule, normalization, eps, fold_identity)
+        return _orthogonalize(G, schedule, normalization, eps, fold_identity, gram_kernel)
     if sum(split_sizes) != G.shape[-2]:
         raise ValueError(f"split_sizes {tuple(split_sizes)} do not sum to {G.shape[-2]} rows")
     parts = torch.split(G, list(split_sizes), dim=-2)
-    return torch.cat([_orthogonalize(p, schedule, normalization, eps, fold_identity) for p in parts], dim=-2)
+    return torch.cat([_orthogonalize(p, schedule, normalization, eps, fold_identity, gram_kernel) for p in parts],
+                     dim=-2)
 
 
 def _orthogonalize(G: Tensor, schedule: Coefficients, normalization: str, eps: float,
-                   fold_identity: bool | None) -> Tensor:
+                   fold_identity: bool | None, gram_kernel: str) -> Tensor:
     batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
     X = G.to(torch.bfloat16).reshape(-1, rows, cols)
     tall = rows > cols  # work on the short side: the Gram matrix is min(A, B)^2
     if G.is_cuda and torch.compiler.is_compiling() if fold_identity is None else fold_identity:
-        X = _folded_iterations(_normalized(X, normalization, eps), schedule, tall)
+        X = _folded_iterations(_normalized(X, normalization, eps), schedule, tall, gram_kernel)
     else:
         X = _epilogue_iterations(_normalized(X.mT if tall else X, normalization, eps), schedule)
         X = X.mT if tall else X
@@ -133,18 +141,19 @@ def _epilogue_iterations(X: Tensor, schedule: Coefficients) -> Tensor:
     return X
 
 
-def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool) -> Tensor:
+def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool, gram_kernel: str = "auto") -> Tensor:
     """The iterations X <- (a I + b A + c A^2) X on X's short side, X (n, rows, cols) as stored. A tall
     stack is read through transposed views (cuBLAS and the Gram kernel take them as they are) and the
     last product is formed transposed, X^T P^T, so every elementwise pass and the result keep the stored
     layout: a norm and an update pass over transposed views of `small`'s expert stacks cost 0.8 and 0.9 ms.
     A and the polynomial are `gram_polynomial`s: symmetric, so on CUDA their kernel computes half the
     tiles and folds the polynomial's sum into its products (no elementwise pass of its own), for the stacks
-    of GRAM_KERNEL_MIN_WORK and more."""
+    of GRAM_KERNEL_MIN_WORK and more (unless gram_kernel is "reference")."""
     if tall:
         X = X.mT
     n, rows, cols = X.shape
-    kernel = "auto" if n * rows * rows * cols >= GRAM_KERNEL_MIN_WORK else "reference"
+    large = n * rows * rows * cols >= GRAM_KERNEL_MIN_WORK
+    kernel = "auto" if gram_kernel == "auto" and large else "reference"
     *steps, (a, b, c) = schedule
     for a_i, b_i, c_i in steps:
         X = gram_polynomial(gram_polynomial(X, 0, 0, 1, kernel), a_i, b_i, c_i, kernel) @ X
