@@ -5,6 +5,11 @@ runs it, and multiplies by the preset's E layers: the experts' share of one GPU'
 or expert parallelism each rank orthogonalizes only the experts it holds, so divide by the ranks holding
 distinct experts. The whole step's figure is `megacpp train`'s profile (BENCHMARKS.md, E3).
 
+Each variant (iterations x `optim.muon_gram_kernel`) is timed two ways on a GPU: from an idle GPU (each call
+between two syncs, the host's launches included: at `small`'s stacks the Gram kernel's launches bound it) and
+as device time (`timing.device_ms`: the calls queued behind a GPU spin, the host hidden, as in the training
+step). On a CPU the iterations take the epilogue form, where the Gram kernel setting changes nothing.
+
     python benchmarks/kernels/bench_expert_orthogonalize.py                       # small and nam52: 5, 4, 3
     python benchmarks/kernels/bench_expert_orthogonalize.py --device cpu --scale 16 --iters 2   # smoke run
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
+from timing import device_ms, median_ms  # benchmarks/kernels/timing.py (the script's directory is on sys.path)
 
 from megacpp.model.pattern import expand_pattern
 from megacpp.optim.orthogonalize import orthogonalize
@@ -33,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="small,nam52", help="comma-separated presets with E blocks")
     ap.add_argument("--steps", default="5,4,3", help="comma-separated Newton-Schulz iteration counts")
+    ap.add_argument("--gram-kernels", default="auto,reference",
+                    help="comma-separated `optim.muon_gram_kernel` choices (default auto,reference)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--scale", type=int, default=1, help="divide experts and widths by this (CPU smoke runs)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (the median is reported)")
@@ -44,13 +51,25 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         stacks = [torch.randn(shape, generator=gen).to(device) for shape in shapes]
         for steps in (int(s) for s in args.steps.split(",")):
-            layer = torch.compile(lambda gs, steps=steps: [orthogonalize(g, steps=steps) for g in gs], fullgraph=True)
-            ms = median_ms(lambda layer=layer, stacks=stacks: layer(stacks), device, warmup=3, iters=args.iters)
-            rows.append((name, " + ".join("x".join(map(str, s)) for s in shapes), layers, steps, ms))
-    print(f"{'preset':<8}{'stacks per E layer':<30}{'E layers':>9}{'iterations':>11}{'ms per layer':>14}"
-          f"{'ms per step':>13}")
-    for name, shapes, layers, steps, ms in rows:
-        print(f"{name:<8}{shapes:<30}{layers:>9}{steps:>11}{ms:>14.3f}{ms * layers:>13.1f}")
+            for kernel in args.gram_kernels.split(","):
+                layer = torch.compile(lambda gs, steps=steps, kernel=kernel: [
+                    orthogonalize(g, steps=steps, gram_kernel=kernel) for g in gs], fullgraph=True)
+
+                def call(layer=layer, stacks=stacks) -> None:
+                    layer(stacks)
+
+                idle = median_ms(call, device, warmup=3, iters=args.iters)
+                queued = device_ms(call, device, warmup=1, iters=args.iters) if device.type == "cuda" else None
+                rows.append((name, " + ".join("x".join(map(str, s)) for s in shapes), layers, steps, kernel, idle,
+                             queued))
+    print(f"{'preset':<8}{'stacks per E layer':<30}{'E layers':>9}{'iterations':>11}{'Gram':>10}"
+          f"{'ms per layer':>14}{'device ms':>11}{'ms per step':>13}{'device ms':>11}")
+    print(f"{'':<82}{'(per layer)':>11}{'':>13}{'(per step)':>11}")
+    for name, shapes, layers, steps, kernel, idle, queued in rows:
+        device_cols = f"{queued:>11.3f}" if queued is not None else f"{'-':>11}"
+        device_step = f"{queued * layers:>11.1f}" if queued is not None else f"{'-':>11}"
+        print(f"{name:<8}{shapes:<30}{layers:>9}{steps:>11}{kernel:>10}{idle:>14.3f}{device_cols}"
+              f"{idle * layers:>13.1f}{device_step}")
 
 
 if __name__ == "__main__":
