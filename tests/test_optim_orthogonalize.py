@@ -96,6 +96,19 @@ def test_tier1_cpu_default_is_the_epilogue_form() -> None:
     assert not torch.equal(orthogonalize(g), orthogonalize(g, fold_identity=True))
 
 
+def _record_gram_kernels(monkeypatch) -> list[str]:
+    """Replace `gram_polynomial` by a stub that records the kernel each call asks for (and returns an empty
+    Gram-shaped tensor): the list it appends to."""
+    seen: list[str] = []
+
+    def record(M, a, b, c, kernel):
+        seen.append(kernel)
+        return M.new_empty(*M.shape[:-1], M.shape[-2])
+
+    monkeypatch.setattr(orthogonalize_module, "gram_polynomial", record)
+    return seen
+
+
 @pytest.mark.parametrize(("shape", "expected"), [
     ((160, 768, 1024), "auto"), ((160, 1024, 768), "auto"),  # small's expert stacks, wide and tall: the kernel
     ((6, 768, 3432), "reference"), ((6, 768, 768), "reference"),  # M's in_proj and attention's: cuBLAS
@@ -104,13 +117,7 @@ def test_tier1_gram_kernel_takes_only_stacks_past_the_threshold(monkeypatch, sha
     """The folded iterations ask for the Gram kernel on the experts' stacks and for the reference (cuBLAS)
     on the smaller ones, whose calls cost the host more than the kernel saves (orthogonalize.py's threshold).
     Meta tensors: the shapes route the call, no arithmetic runs."""
-    seen = []
-
-    def record(M, a, b, c, kernel):
-        seen.append(kernel)
-        return M.new_empty(*M.shape[:-1], M.shape[-2])
-
-    monkeypatch.setattr(orthogonalize_module, "gram_polynomial", record)
+    seen = _record_gram_kernels(monkeypatch)
     orthogonalize(torch.empty(shape, device="meta", dtype=torch.bfloat16), steps=3, fold_identity=True)
     assert seen == [expected] * 6  # two products per iteration
 
@@ -118,13 +125,7 @@ def test_tier1_gram_kernel_takes_only_stacks_past_the_threshold(monkeypatch, sha
 def test_tier1_gram_kernel_reference_keeps_every_stack_on_cublas(monkeypatch) -> None:
     """`gram_kernel="reference"` (`optim.muon_gram_kernel`) routes even the experts' stacks to the reference;
     an unknown choice is refused with the choices named."""
-    seen = []
-
-    def record(M, a, b, c, kernel):
-        seen.append(kernel)
-        return M.new_empty(*M.shape[:-1], M.shape[-2])
-
-    monkeypatch.setattr(orthogonalize_module, "gram_polynomial", record)
+    seen = _record_gram_kernels(monkeypatch)
     experts = torch.empty(160, 768, 1024, device="meta", dtype=torch.bfloat16)
     orthogonalize(experts, steps=3, fold_identity=True, gram_kernel="reference")
     assert seen == ["reference"] * 6

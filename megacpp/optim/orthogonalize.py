@@ -141,7 +141,7 @@ def _epilogue_iterations(X: Tensor, schedule: Coefficients) -> Tensor:
     return X
 
 
-def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool, gram_kernel: str = "auto") -> Tensor:
+def _folded_iterations(X: Tensor, schedule: Coefficients, tall: bool, gram_kernel: str) -> Tensor:
     """The iterations X <- (a I + b A + c A^2) X on X's short side, X (n, rows, cols) as stored. A tall
     stack is read through transposed views (cuBLAS and the Gram kernel take them as they are) and the
     last product is formed transposed, X^T P^T, so every elementwise pass and the result keep the stored
